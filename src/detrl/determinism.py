@@ -1,0 +1,73 @@
+"""The one place that decides what `determinism=on` / `off` means. Everything else asks it.
+
+| source              | off (torch defaults, as real systems run)  | on                                           |
+|---------------------|--------------------------------------------|----------------------------------------------|
+| sampling RNG        | one shared stream, in call order           | per-sample seed = hash(seed, step, uid, idx) |
+| result order        | as the engine returns them                 | sorted by uid                                |
+| kernels             | F.linear / SDPA / F.silu / grouped MoE     | batch-invariant ops (detrl.models.ops)       |
+| MoE dispatch        | gather per expert, index_add_              | all experts, fixed ascending combine         |
+| torch               | defaults                                   | deterministic algorithms, CUBLAS workspace,  |
+|                     |                                            | TF32 off                                     |
+Both modes seed python, numpy and torch from the run seed: `off` releases pins, it never adds noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from detrl.models.ops import BATCH_INVARIANT_OPS, DEFAULT_OPS, Ops
+from detrl.rollout.base import Result
+
+
+def stable_hash(*parts: int | str) -> int:
+    """A 63-bit hash of the parts, stable across processes and machines (unlike `hash`)."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(str(p).encode())
+        h.update(b"\x00")
+    return struct.unpack("<Q", h.digest())[0] >> 1
+
+
+@dataclass(frozen=True)
+class Determinism:
+    enabled: bool
+    seed: int
+
+    @property
+    def ops(self) -> Ops:
+        return BATCH_INVARIANT_OPS if self.enabled else DEFAULT_OPS
+
+    def prompt_uid(self, data_position: int) -> int:
+        """Stable id of the prompt at a data position (the same in both modes: ids are ids)."""
+        return stable_hash("prompt", self.seed, data_position)
+
+    def sampling_seed(self, step: int, prompt_uid: int, sample_index: int) -> int | None:
+        """Per-sample seed when on; None (the engine's shared stream) when off."""
+        if not self.enabled:
+            return None
+        return stable_hash("sample", self.seed, step, prompt_uid, sample_index)
+
+    def order(self, results: list[Result]) -> list[Result]:
+        return sorted(results, key=lambda r: r.uid) if self.enabled else list(results)
+
+
+def setup(enabled: bool, seed: int) -> Determinism:
+    """Seed every RNG from the run seed and set torch's global determinism flags."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if enabled:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled
+    torch.backends.cudnn.benchmark = not enabled
+    torch.backends.cuda.matmul.allow_tf32 = not enabled
+    torch.backends.cudnn.allow_tf32 = not enabled
+    return Determinism(enabled=enabled, seed=seed)

@@ -1,0 +1,37 @@
+"""What every rollout engine takes and returns (embedded now; SGLang later, same shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 4
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_uid: int  # f(seed, data position): stable across runs
+    sample_index: int  # index within the prompt's group
+    prompt_ids: tuple[int, ...]
+    seed: int | None = None  # per-sample sampling seed; None = the engine's shared RNG stream
+
+    @property
+    def uid(self) -> tuple[int, int]:
+        return (self.prompt_uid, self.sample_index)
+
+
+@dataclass
+class Result:
+    request: Request
+    tokens: list[int]  # sampled response tokens, the stop token included
+    logprobs: list[float]  # log pi_rollout(token) after temperature, before top-p (SGLang's convention)
+    finish_reason: str  # "stop" | "length"
+
+    @property
+    def uid(self) -> tuple[int, int]:
+        return self.request.uid

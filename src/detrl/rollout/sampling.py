@@ -1,0 +1,65 @@
+"""Token sampling by the Gumbel-max trick, with two noise sources.
+
+`hashed_gumbel` draws each sample's noise from a counter-based hash of (sampling seed, absolute
+position, vocab id), like SGLang's deterministic sampler: a sample's noise does not depend on
+which batch, worker or step order produced it. `stream_gumbel` draws from one shared torch
+generator in the order calls arrive, as engines without per-request seeds do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32) without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (lowbias32): good avalanche, exact on int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0,1) [B, V] (float64) from (seed [B] int64, position [B] int64, vocab id)."""
+    s = _mix32(_mix32(seeds & _M32) ^ _mix32((seeds >> 32) & _M32 ^ 0x9E3779B9))  # [B]
+    h = _mix32((s + _mix32(positions & _M32)) & _M32)  # [B]
+    h = _mix32((h[:, None] + _mix32(torch.arange(vocab, dtype=torch.int64) + 0x632BE5AB)) & _M32)  # [B, V]
+    return (h.double() + 0.5) / 2.0**32
+
+
+def gumbel(u: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(u))
+
+
+def hashed_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    return gumbel(hashed_uniform(seeds, positions, vocab))
+
+
+def stream_gumbel(generator: torch.Generator, batch: int, vocab: int) -> torch.Tensor:
+    u = torch.rand(batch, vocab, generator=generator, dtype=torch.float64).clamp_min(1e-300)
+    return gumbel(u)
+
+
+def top_p_mask(logp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """True for tokens inside the nucleus (the smallest prefix by prob with mass >= top_p). [B, V]."""
+    if top_p >= 1.0:
+        return torch.ones_like(logp, dtype=torch.bool)
+    probs = logp.exp()
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p  # the first token is always kept
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def sample(logp: torch.Tensor, noise: torch.Tensor, top_p: float) -> torch.Tensor:
+    """argmax(logp + gumbel) over the nucleus: a draw from softmax restricted to top-p. -> [B]."""
+    scores = (logp.double() + noise).masked_fill(~top_p_mask(logp, top_p), float("-inf"))
+    return scores.argmax(dim=-1)

@@ -1,0 +1,43 @@
+"""Per-step metrics to W&B (offline by default) and to <run_dir>/metrics.jsonl, with the same keys."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from detrl.config import LoggerConfig
+
+
+class Tracker:
+    def __init__(self, run_dir: Path, cfg: LoggerConfig, run_name: str, group: str, config: dict[str, Any],
+                 tags: list[str] | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = self.path.open("a", buffering=1)
+        self.wandb_run = None
+        if cfg.backend == "wandb":
+            import wandb
+
+            mode = cfg.mode or os.environ.get("WANDB_MODE") or "offline"
+            self.wandb_run = wandb.init(
+                project=cfg.project, entity=cfg.entity, group=cfg.group or group, name=run_name,
+                tags=list(cfg.tags) + list(tags or []), config=config, dir=str(run_dir), mode=mode,
+                job_type=run_name, settings=wandb.Settings(silent=True, console="off"),
+            )
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **metrics}
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.summary.update(values)
+
+    def finish(self, exit_code: int = 0) -> None:
+        self._file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish(exit_code=exit_code)
+            self.wandb_run = None

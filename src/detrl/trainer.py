@@ -1,0 +1,274 @@
+"""The training loop: seed -> build -> for each step: rollout -> reward -> advantage -> update -> log.
+
+Read top to bottom in `train`. The math lives in `detrl.algos`; what determinism means lives in
+`detrl.determinism`; this file wires them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from detrl import determinism as det_mod
+from detrl.algos import agg_loss, compute_policy_loss, filter_groups, grpo_advantages, kl_penalty, overlong_penalty
+from detrl.algos.core import entropy_from_logp, masked_mean
+from detrl.config import TrainConfig
+from detrl.data import ArithmeticTask, build_tokenizer, exact_match_reward
+from detrl.fingerprint import floats_digest, ints_digest, params_digest
+from detrl.models.build import build_model
+from detrl.models.forward import forward, rope_tables, token_logprobs
+from detrl.rollout import EmbeddedEngine, Request, Result, SamplingParams
+from detrl.tracking import Tracker
+from detrl.warmstart import encode, load_or_build
+
+
+@dataclass
+class StepBatch:
+    """One step's training data, in training order. N sequences, L = ctx_len."""
+
+    results: list[Result]
+    scores: torch.Tensor  # [N] reward used for advantages (incl. shaping)
+    correct: torch.Tensor  # [N] task reward before shaping
+    group_ids: torch.Tensor  # [N] prompt uid index
+    input_ids: torch.Tensor  # [N, L] prompt + response, left-aligned, zero-padded
+    mask: torch.Tensor  # [N, L-1] 1.0 where the next token is a response token
+    rollout_logp: torch.Tensor  # [N, L-1] the engine's logprob of that token
+    gen_rounds: int
+    kept_groups: int
+    overlong_penalty: torch.Tensor  # [N]
+
+
+def context_length(task: ArithmeticTask, tokenizer, max_new_tokens: int) -> int:
+    """The fixed key length shared by sampler and trainer: longest prompt + new tokens, rounded up to 8."""
+    longest = max(len(encode(tokenizer, task[i].prompt)) for i in range(len(task)))
+    return -(-(longest + max_new_tokens) // 8) * 8
+
+
+def run_name(cfg: TrainConfig) -> str:
+    return f"{cfg.model.name}_{cfg.algo.name}_det-{cfg.determinism.name}_s{cfg.seed}_r{cfg.repeat}"
+
+
+def load_policy(cfg: TrainConfig, tokenizer, task, ctx_len: int) -> torch.nn.Module:
+    if cfg.model.path is None and cfg.model.init == "warmstart":
+        return load_or_build(cfg.model, cfg.data, cfg.warmstart, tokenizer, task, ctx_len)
+    return build_model(cfg.model, seed=cfg.seed)
+
+
+def generate_round(engine, det, task, tokenizer, cfg: TrainConfig, step: int, data_pos: int) -> list[Result]:
+    """Requests for `train_batch_size` prompts x n samples from data position `data_pos`."""
+    requests = []
+    for i, p in enumerate(task.batch(data_pos, cfg.train_batch_size)):
+        uid = det.prompt_uid(data_pos + i)
+        ids = tuple(encode(tokenizer, p.prompt))
+        requests += [Request(uid, k, ids, det.sampling_seed(step, uid, k)) for k in range(cfg.rollout.n)]
+    return det.order(engine.generate(requests))
+
+
+def score(results: list[Result], answers: dict[int, str], tokenizer, eos: int) -> torch.Tensor:
+    texts = tokenizer.batch_decode([[t for t in r.tokens if t != eos] for r in results], skip_special_tokens=True)
+    return torch.tensor([exact_match_reward(t, answers[r.request.prompt_uid]) for t, r in zip(texts, results)])
+
+
+def collect(engine, det, task, tokenizer, cfg: TrainConfig, step: int, data_pos: int, ctx_len: int):
+    """Rollouts for one step; with DAPO dynamic sampling, generate until enough groups have signal."""
+    ds, ol = cfg.algo.dynamic_sampling, cfg.algo.overlong
+    kept: list[Result] = []
+    kept_scores, kept_correct = [], []
+    rounds = 0
+    while True:
+        rounds += 1
+        answers = {det.prompt_uid(data_pos + i): p.answer for i, p in enumerate(task.batch(data_pos, cfg.train_batch_size))}
+        results = generate_round(engine, det, task, tokenizer, cfg, step, data_pos)
+        data_pos += cfg.train_batch_size
+        correct = score(results, answers, tokenizer, tokenizer.eos_token_id)
+        shaped = correct.clone()
+        if ol.enabled:
+            lengths = torch.tensor([len(r.tokens) for r in results])
+            shaped = shaped + overlong_penalty(lengths, cfg.rollout.max_new_tokens, ol.buffer_len, ol.penalty_factor)
+        if not ds.enabled:
+            kept, kept_scores, kept_correct = results, [shaped], [correct]
+            break
+        groups = [r.request.prompt_uid for r in results]
+        keep = set(filter_groups(shaped.tolist(), groups))
+        sel = [i for i, g in enumerate(groups) if g in keep]
+        kept += [results[i] for i in sel]
+        kept_scores.append(shaped[sel])
+        kept_correct.append(correct[sel])
+        if len(kept) >= cfg.train_batch_size * cfg.rollout.n:
+            break
+        if ds.max_num_gen_batches and rounds >= ds.max_num_gen_batches:
+            raise RuntimeError(
+                f"dynamic sampling kept {len(kept) // cfg.rollout.n} of {cfg.train_batch_size} groups after "
+                f"algo.dynamic_sampling.max_num_gen_batches={ds.max_num_gen_batches} rounds at step {step}; "
+                "raise it, or set it to 0 for no limit"
+            )
+    n_keep = cfg.train_batch_size * cfg.rollout.n
+    kept, scores, correct = kept[:n_keep], torch.cat(kept_scores)[:n_keep], torch.cat(kept_correct)[:n_keep]
+    batch = to_tensors(kept, scores, correct, ctx_len)
+    batch.gen_rounds, batch.kept_groups = rounds, len(kept) // cfg.rollout.n
+    return batch, data_pos
+
+
+def to_tensors(results: list[Result], scores, correct, ctx_len: int) -> StepBatch:
+    n = len(results)
+    input_ids = torch.zeros(n, ctx_len, dtype=torch.long)
+    mask = torch.zeros(n, ctx_len - 1)
+    rollout_logp = torch.zeros(n, ctx_len - 1)
+    uids = {}
+    for i, r in enumerate(results):
+        p, t = len(r.request.prompt_ids), len(r.tokens)
+        input_ids[i, : p + t] = torch.tensor(r.request.prompt_ids + tuple(r.tokens))
+        mask[i, p - 1 : p - 1 + t] = 1.0
+        rollout_logp[i, p - 1 : p - 1 + t] = torch.tensor(r.logprobs)
+        uids.setdefault(r.request.prompt_uid, len(uids))
+    group_ids = torch.tensor([uids[r.request.prompt_uid] for r in results])
+    return StepBatch(results, scores, correct, group_ids, input_ids, mask, rollout_logp, 1, 0, torch.zeros(n))
+
+
+def sequence_logprobs(model, input_ids, ops, ctx_len, rope, temperature):
+    """Trainer logprobs of each next token [N, L-1] and the full log-distributions [N, L-1, V]."""
+    logits = forward(model, input_ids, ops, ctx_len, rope)  # [N, L, V]
+    return token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+
+
+def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: TrainConfig, ops, ctx_len, rope):
+    """One optimizer step over the batch, in micro-batches with global denominators. -> metrics."""
+    a, temp = cfg.algo, cfg.rollout.temperature
+    n = batch.input_ids.shape[0]
+    global_tokens, global_seqs = batch.mask.sum(), (batch.mask.sum(-1) > 0).sum()
+    sums = dict.fromkeys(["pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"], 0.0)
+    diffs, k3s, pdiffs = [], [], []
+    opt.zero_grad(set_to_none=True)
+    for lo in range(0, n, cfg.micro_batch_size):
+        sl = slice(lo, lo + cfg.micro_batch_size)
+        ids, mask, share = batch.input_ids[sl], batch.mask[sl], batch.mask[sl].sum() / global_tokens
+        logp, logp_full = sequence_logprobs(model, ids, ops, ctx_len, rope, temp)  # [n, L-1], [n, L-1, V]
+        tok_adv = adv[sl, None].expand_as(logp)  # [n, L-1]
+        # one update per rollout batch: the old policy is this policy (ratio 1, PPO clip inactive)
+        pg, m = compute_policy_loss(logp, logp.detach(), tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high,
+                                    a.clip_ratio_c)
+        agg = dict(mode=a.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
+                   max_len=cfg.rollout.max_new_tokens)
+        loss = agg_loss(pg, mask, **agg)
+        sums["pg_loss"] += loss.item()
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_logp, _ = sequence_logprobs(ref_model, ids, ops, ctx_len, rope, temp)
+            kl = agg_loss(kl_penalty(logp, ref_logp, a.kl_loss_type), mask, **agg)
+            loss = loss + a.kl_loss_coef * kl
+            sums["kl_loss"] += kl.item()
+        ent = entropy_from_logp(logp_full)  # [n, L-1]
+        if a.entropy_coeff:
+            loss = loss - a.entropy_coeff * agg_loss(ent, mask, **agg)
+        loss.backward()
+        sums["entropy"] += (masked_mean(ent.detach(), mask) * share).item()
+        for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+            sums[k] += (m[k] * share).item()
+        # trainer vs rollout on the sampled tokens: exactly 0 is true on-policy
+        d = (logp.detach() - batch.rollout_logp[sl])[mask > 0]
+        diffs.append(d.abs())
+        k3s.append(torch.exp(-d) + d - 1.0)
+        pdiffs.append((logp.detach().exp() - batch.rollout_logp[sl].exp())[mask > 0].abs())
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    d, k3, pd = torch.cat(diffs), torch.cat(k3s), torch.cat(pdiffs)
+    return {
+        **{f"actor/{k}": v for k, v in sums.items()},
+        "actor/grad_norm": grad_norm.item(),
+        "actor/lr": opt.param_groups[0]["lr"],
+        "mismatch/train_rollout_logprob_abs_diff": d.mean().item(),
+        "mismatch/train_rollout_logprob_abs_diff_max": d.max().item(),
+        "mismatch/k3_kl": k3.mean().item(),
+        "mismatch/max_prob_diff": pd.max().item(),
+    }
+
+
+def rollout_metrics(batch: StepBatch, adv: torch.Tensor, max_new: int) -> dict[str, float | str]:
+    lengths = torch.tensor([len(r.tokens) for r in batch.results], dtype=torch.float32)
+    return {
+        "critic/score/mean": batch.correct.mean().item(),
+        "critic/score/max": batch.correct.max().item(),
+        "critic/score/min": batch.correct.min().item(),
+        "critic/rewards/mean": batch.scores.mean().item(),
+        "critic/advantages/mean": adv.mean().item(),
+        "critic/advantages/max": adv.max().item(),
+        "critic/advantages/min": adv.min().item(),
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "response_length/min": lengths.min().item(),
+        "response_length/clip_ratio": sum(r.finish_reason == "length" for r in batch.results) / len(batch.results),
+        "prompt_length/mean": sum(len(r.request.prompt_ids) for r in batch.results) / len(batch.results),
+        "overlong/penalty_mean": (batch.scores - batch.correct).mean().item(),
+        "dapo/kept_groups": batch.kept_groups,
+        "dapo/gen_batches": batch.gen_rounds,
+        "fp/rollout_tokens": ints_digest(r.tokens for r in batch.results),
+        "fp/rollout_logprobs": floats_digest(r.logprobs for r in batch.results),
+        "fp/batch_order": ints_digest([r.uid for r in batch.results]),
+    }
+
+
+def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, float]:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # --- seed and build
+    det = det_mod.setup(cfg.determinism.enabled, cfg.seed)
+    tokenizer = build_tokenizer()
+    task = ArithmeticTask(cfg.data.min_operand, cfg.data.max_operand, list(cfg.data.ops), seed=cfg.seed)
+    r = cfg.rollout
+    ctx_len = context_length(task, tokenizer, r.max_new_tokens)
+    model = load_policy(cfg, tokenizer, task, ctx_len)
+    if model.config.vocab_size < len(tokenizer):
+        raise ValueError(f"model vocab_size={model.config.vocab_size} < tokenizer size {len(tokenizer)}")
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.use_kl_loss else None
+    model.train()
+    rope = rope_tables(model.config, ctx_len)
+    sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, (tokenizer.eos_token_id,))
+    engine = EmbeddedEngine(model, det.ops, ctx_len, sampling, seed=cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    tracker = Tracker(run_dir, cfg.logger, run_name(cfg), group, dataclasses.asdict(cfg),
+                      tags=[f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={cfg.determinism.name}"])
+    data_pos, curve, exit_code = 0, [], 1
+    try:
+        bar = tqdm(range(1, cfg.steps + 1), desc=run_name(cfg), unit="step", dynamic_ncols=True)
+        for step in bar:
+            t0 = time.perf_counter()
+            # --- rollout -> reward -> advantage
+            batch, data_pos = collect(engine, det, task, tokenizer, cfg, step, data_pos, ctx_len)
+            t_rollout = time.perf_counter() - t0
+            adv = grpo_advantages(batch.scores, batch.group_ids, cfg.algo.norm_adv_by_std, cfg.algo.adv_epsilon)
+            # --- update, then sync the engine's weights
+            metrics = update(model, ref_model, opt, batch, adv, cfg, det.ops, ctx_len, rope)
+            engine.update_weights(model.state_dict())
+            # --- log
+            metrics.update(rollout_metrics(batch, adv, r.max_new_tokens))
+            metrics["fp/params"] = params_digest(model)
+            metrics["timing_s/rollout"] = t_rollout
+            metrics["timing_s/step"] = time.perf_counter() - t0
+            metrics["perf/throughput"] = float(batch.mask.sum()) / metrics["timing_s/step"]
+            tracker.log(step, metrics)
+            curve.append(metrics["critic/score/mean"])
+            bar.set_postfix(reward=f"{curve[-1]:.3f}", step_s=f"{metrics['timing_s/step']:.2f}")
+        if cfg.checkpoint.save_final:
+            final = run_dir / "checkpoint-final"
+            model.save_pretrained(final)
+            tokenizer.save_pretrained(final)
+        exit_code = 0
+    finally:
+        engine.close()
+        summary = reward_summary(curve)
+        tracker.summary(summary)
+        tracker.finish(exit_code)
+    return summary
+
+
+def reward_summary(curve: list[float], window: int = 5) -> dict[str, float]:
+    if not curve:
+        return {}
+    w = min(window, len(curve))
+    return {"reward/first": sum(curve[:w]) / w, "reward/last": sum(curve[-w:]) / w, "steps": len(curve)}
