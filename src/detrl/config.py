@@ -8,7 +8,7 @@ Cross-field rules Hydra cannot express live in `validate()`, which raises `Confi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "qwen3"  # qwen3 (dense) | qwen3_moe
-    path: Optional[str] = None  # local Hugging Face checkpoint dir (offline from_pretrained)
+    path: str | None = None  # local Hugging Face checkpoint dir (offline from_pretrained)
     init: str = "warmstart"  # warmstart (a short SFT the project makes and caches) | random
     vocab_size: int = 64
     hidden_size: int = 128
@@ -116,10 +116,10 @@ class DataConfig:
 class LoggerConfig:
     backend: str = "wandb"  # wandb | none (metrics.jsonl is always written)
     project: str = "detrl"
-    entity: Optional[str] = None
-    group: Optional[str] = None  # default: the sweep / experiment name
+    entity: str | None = None
+    group: str | None = None  # default: the sweep / experiment name
     tags: list[str] = field(default_factory=list)
-    mode: Optional[str] = None  # offline unless WANDB_MODE or this says otherwise
+    mode: str | None = None  # offline unless WANDB_MODE or this says otherwise
 
 
 @dataclass
@@ -137,7 +137,7 @@ class TrainConfig:
     logger: LoggerConfig = MISSING
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    experiment: Optional[str] = None  # name of the experiment preset / study
+    experiment: str | None = None  # name of the experiment preset / study
     seed: int = 0
     repeat: int = 0  # replicate index: changes the run name only
     steps: int = 60
@@ -146,7 +146,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    run_dir: Optional[str] = None  # default: Hydra's output dir
+    run_dir: str | None = None  # default: Hydra's output dir
 
 
 MODEL_NAMES = ("qwen3", "qwen3_moe")

@@ -16,7 +16,14 @@ import torch
 from tqdm import tqdm
 
 from detrl import determinism as det_mod
-from detrl.algos import agg_loss, compute_policy_loss, filter_groups, grpo_advantages, kl_penalty, overlong_penalty
+from detrl.algos import (
+    agg_loss,
+    compute_policy_loss,
+    filter_groups,
+    grpo_advantages,
+    kl_penalty,
+    overlong_penalty,
+)
 from detrl.algos.core import entropy_from_logp, masked_mean
 from detrl.config import TrainConfig
 from detrl.data import ArithmeticTask, build_tokenizer, exact_match_reward

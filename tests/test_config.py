@@ -1,0 +1,71 @@
+import itertools
+import subprocess
+import sys
+
+import pytest
+
+from detrl.config import ConfigError
+from tests.conftest import ROOT, make_cfg
+
+GROUPS = {
+    "model": ["qwen3", "qwen3_moe"],
+    "algo": ["grpo", "dapo"],
+    "determinism": ["on", "off"],
+    "rollout": ["embedded"],
+    "data": ["arithmetic"],
+    "logger": ["wandb", "none"],
+}
+
+
+@pytest.mark.parametrize("choice", list(itertools.product(*GROUPS.values())))
+def test_every_group_combination_composes(choice):
+    cfg = make_cfg(*(f"{g}={c}" for g, c in zip(GROUPS, choice)))
+    assert cfg.model.name == choice[0] and cfg.algo.name == choice[1] and cfg.determinism.name == choice[2]
+    assert cfg.determinism.enabled == (choice[2] == "on")
+    assert cfg.logger.backend == choice[5]
+
+
+def test_algo_defaults_follow_the_field():
+    grpo, dapo = make_cfg("algo=grpo").algo, make_cfg("algo=dapo").algo
+    assert (grpo.clip_ratio_low, grpo.clip_ratio_high, grpo.loss_agg_mode) == (0.2, 0.2, "seq-mean-token-mean")
+    assert grpo.use_kl_loss and grpo.kl_loss_coef == 0.001 and grpo.kl_loss_type == "low_var_kl"
+    assert (dapo.clip_ratio_low, dapo.clip_ratio_high, dapo.clip_ratio_c) == (0.2, 0.28, 10.0)
+    assert dapo.loss_agg_mode == "token-mean" and not dapo.use_kl_loss
+    assert dapo.dynamic_sampling.enabled and dapo.overlong.enabled
+
+
+def test_overrides_reach_the_typed_config():
+    cfg = make_cfg("model=qwen3_moe", "model.hidden_size=64", "model.num_experts=8", "seed=7", "repeat=2")
+    assert (cfg.model.hidden_size, cfg.model.num_experts, cfg.seed, cfg.repeat) == (64, 8, 7, 2)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c=0.5"),
+    ("algo.overlong.buffer_len=-1", "algo.overlong.buffer_len=-1"),
+    ("algo.loss_agg_mode=foo", "algo.loss_agg_mode='foo'"),
+    ("algo.kl_loss_type=k9", "algo.kl_loss_type='k9'"),
+    ("rollout.top_p=0", "rollout.top_p=0"),
+    ("rollout.partial.enabled=true", "rollout.partial.enabled=True"),
+])
+def test_invalid_settings_fail_with_one_line_naming_the_value(override, needle):
+    with pytest.raises(ConfigError) as e:
+        make_cfg(override)
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("model=qwen4", "model/qwen4"),
+    ("steps=abc", "'abc'"),
+    ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c=0.5"),
+])
+def test_cli_rejects_bad_input_without_leaving_a_run_dir(tmp_path, override, needle):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "train.py", override, f"hydra.run.dir={run_dir}", "logger=none"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not run_dir.exists()

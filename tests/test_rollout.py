@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+from detrl.config import ModelConfig
+from detrl.determinism import Determinism
+from detrl.models import BATCH_INVARIANT_OPS, DEFAULT_OPS, build_model
+from detrl.rollout import EmbeddedEngine, Request, SamplingParams
+from detrl.rollout.sampling import hashed_uniform, top_p_mask
+
+EOS = 2
+CTX = 16
+
+
+def _engine(ops=BATCH_INVARIANT_OPS, name="qwen3", **kw):
+    params = SamplingParams(**{"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "stop_token_ids": (EOS,), **kw})
+    return EmbeddedEngine(build_model(ModelConfig(name=name), seed=0), ops, CTX, params, seed=0)
+
+
+def _requests(n, seeded=True, prompt_len=5):
+    det = Determinism(enabled=True, seed=0)
+    out = []
+    for i in range(n):
+        ids = tuple(range(3, 3 + prompt_len - (i % 3)))
+        out.append(Request(i // 2, i % 2, ids, det.sampling_seed(1, i // 2, i % 2) if seeded else None))
+    return out
+
+
+def test_sampler_outputs_are_well_formed():
+    res = _engine().generate(_requests(12))
+    assert len(res) == 12
+    for r in res:
+        assert 1 <= len(r.tokens) <= 8 and len(r.logprobs) == len(r.tokens)
+        assert all(0 <= t < 64 for t in r.tokens)
+        assert all(lp <= 0.0 for lp in r.logprobs)
+        assert r.finish_reason in ("stop", "length")
+
+
+def test_stop_token_ends_the_response():
+    stops = tuple(range(0, 64, 3))  # a third of the vocab stops
+    res = _engine(stop_token_ids=stops).generate(_requests(16))
+    for r in res:
+        assert all(t not in stops for t in r.tokens[:-1])  # nothing after a stop token
+        assert (r.finish_reason == "stop") == (r.tokens[-1] in stops)
+    assert any(r.finish_reason == "stop" and len(r.tokens) < 8 for r in res)
+    every = _engine(stop_token_ids=tuple(range(64))).generate(_requests(4))
+    assert all(len(r.tokens) == 1 and r.finish_reason == "stop" for r in every)
+
+
+def test_length_finish_without_a_stop_token():
+    res = _engine(stop_token_ids=()).generate(_requests(4))
+    assert all(len(r.tokens) == 8 and r.finish_reason == "length" for r in res)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_a_seeded_sample_does_not_depend_on_its_batch_mates(name):
+    eng = _engine(name=name)
+    reqs = _requests(10)
+    together = {r.uid: (r.tokens, r.logprobs) for r in eng.generate(reqs)}
+    alone = {r.uid: (r.tokens, r.logprobs) for r in eng.generate([reqs[7]])}
+    reordered = {r.uid: (r.tokens, r.logprobs) for r in eng.generate(reqs[::-1][:6])}
+    assert alone[reqs[7].uid] == together[reqs[7].uid]
+    assert all(reordered[u] == together[u] for u in reordered)
+
+
+def test_unseeded_requests_draw_from_the_shared_stream():
+    eng = _engine(ops=DEFAULT_OPS)
+    first = [r.tokens for r in eng.generate(_requests(8, seeded=False))]
+    second = [r.tokens for r in eng.generate(_requests(8, seeded=False))]
+    assert first != second  # the stream advanced: same prompts, new draws
+
+
+def test_hashed_uniform_is_in_the_open_unit_interval_and_position_dependent():
+    u = hashed_uniform(torch.tensor([1, 1, 2**62]), torch.tensor([5, 6, 5]), 64)
+    assert bool(((u > 0) & (u < 1)).all())
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert abs(hashed_uniform(torch.arange(200), torch.zeros(200, dtype=torch.long), 64).mean().item() - 0.5) < 0.01
+
+
+def test_top_p_keeps_the_nucleus():
+    logp = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert top_p_mask(logp, 0.7).tolist() == [[True, True, False, False]]
+    assert top_p_mask(logp, 1e-6).tolist() == [[True, False, False, False]]
