@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from detrl.models.ops import Ops, route
+from detrl.models.ops import Ops, moe_dispatch
 
 
 @dataclass
@@ -80,8 +80,8 @@ def _attention_block(attn, x, cos, sin, positions, layer, cache, ctx_len, ops: O
 def _mlp_block(mlp, x, ops: Ops):
     if hasattr(mlp, "experts"):  # Qwen3-MoE sparse block
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
-        top_w, top_i = route(ops.linear(flat, mlp.gate.weight), mlp.gate.top_k, mlp.gate.norm_topk_prob)
-        out = ops.moe(flat, top_w, top_i, mlp.experts.gate_up_proj, mlp.experts.down_proj, ops.linear, ops.silu)
+        top_w, top_i = ops.route(ops.linear(flat, mlp.gate.weight), mlp.gate.top_k, mlp.gate.norm_topk_prob)
+        out = moe_dispatch(flat, top_w, top_i, mlp.experts.gate_up_proj, mlp.experts.down_proj, ops.linear, ops.silu)
         return out.view_as(x)
     gate, up = ops.linear(x, mlp.gate_proj.weight), ops.linear(x, mlp.up_proj.weight)
     return ops.linear(ops.silu(gate) * up, mlp.down_proj.weight)

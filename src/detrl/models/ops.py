@@ -4,35 +4,79 @@
 serving engines and trainers use them: a row's result can depend on how many rows share the call.
 `BATCH_INVARIANT_OPS` compute every row the same way whatever its batch-mates, batch size, padding or
 prefill/decode phase, so that the sampler and the trainer produce the same bits for the same token:
-- matmul: rows are padded to a multiple of ROW_TILE and run as a bmm of fixed (ROW_TILE, K) x (K, N)
-  tiles, because the CPU gemm picks per-row kernels by the row count (rows < 4 differ);
-- attention: products summed over the contiguous last dim, softmax over a fixed key length;
+- matmul: the CPU gemm picks kernels by row count (calls with < 12 rows give other bits), so short
+  calls are padded to ROW_TILE rows; shapes where a self-check finds larger calls vary too run as
+  fixed (ROW_TILE, K) x (K, N) tiles;
+- attention: always over the fixed key length ctx_len (masked keys at -inf), short query blocks
+  padded like matmul rows, so prefill, decode and training reduce each row the same way;
 - silu: x / (1 + exp(-x)) (torch's fused silu rounds its vector tail differently);
-- MoE: every expert on every token, combined in ascending expert order (ties -> lowest id).
+- MoE: stable-sort routing (ties -> lowest expert id), grouped dispatch on bi_linear, combine in
+  ascending expert id.
 Measured on torch 2.13 CPU (AVX512): exp, log, rsqrt, sum(-1), log_softmax(-1) are row-invariant.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 ROW_TILE = 16
+_ROW_INVARIANT: dict[tuple[int, int, torch.dtype], bool] = {}
+
+
+def _tiled_linear(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Rows padded to a multiple of ROW_TILE, run as a bmm of fixed (ROW_TILE, K) x (K, N) tiles."""
+    m, k = x2d.shape
+    padded = -(-m // ROW_TILE) * ROW_TILE
+    tiles = F.pad(x2d, (0, 0, 0, padded - m)).view(padded // ROW_TILE, ROW_TILE, k)  # [M/R, R, K]
+    out = torch.bmm(tiles, w.t().unsqueeze(0).expand(tiles.shape[0], k, w.shape[0]))  # [M/R, R, N]
+    return out.reshape(padded, w.shape[0])[:m]
+
+
+def _gemm_is_row_invariant(k: int, n: int, dtype: torch.dtype) -> bool:
+    """Measure once per shape: do F.linear and batched matmul give each row the same bits for any
+    row count >= ROW_TILE?
+
+    On torch 2.13 CPU (AVX512) they do (only calls with < 12 rows take other kernels); where they do
+    not, the ops below fall back to forms that are invariant by construction but slower.
+    """
+    key = (k, n, dtype)
+    if key not in _ROW_INVARIANT:
+        g = torch.Generator().manual_seed(k * 7919 + n)
+        x, w = torch.randn(300, k, generator=g, dtype=dtype), torch.randn(n, k, generator=g, dtype=dtype)
+        xb, wb = x.view(3, 100, k), w.t().expand(3, k, n)
+        with torch.no_grad():
+            ref = _tiled_linear(x, w)
+            _ROW_INVARIANT[key] = torch.equal(F.linear(x, w), ref) and all(
+                torch.equal(F.linear(x[o : o + m], w), ref[o : o + m])
+                and torch.equal(torch.matmul(xb[:, o : o + m], wb), ref.view(3, 100, n)[:, o : o + m])
+                for m in (16, 17, 23, 31, 32, 33, 64, 95)
+                for o in (0, 5)
+            )
+    return _ROW_INVARIANT[key]
 
 
 def bi_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T with per-row results independent of the number of rows. x (..., K), w (N, K)."""
     *lead, k = x.shape
-    rows = x.reshape(-1, k)  # (M, K)
+    rows = x.reshape(-1, k)  # [M, K]
     m = rows.shape[0]
-    padded = -(-m // ROW_TILE) * ROW_TILE
-    if padded != m:
-        rows = F.pad(rows, (0, 0, 0, padded - m))
-    tiles = rows.view(padded // ROW_TILE, ROW_TILE, k)  # (M/R, R, K)
-    out = torch.bmm(tiles, w.t().unsqueeze(0).expand(tiles.shape[0], k, w.shape[0]))  # (M/R, R, N)
-    return out.reshape(padded, w.shape[0])[:m].reshape(*lead, w.shape[0])
+    if _gemm_is_row_invariant(k, w.shape[0], x.dtype):
+        out = F.linear(F.pad(rows, (0, 0, 0, ROW_TILE - m)), w)[:m] if m < ROW_TILE else F.linear(rows, w)
+    else:
+        out = _tiled_linear(rows, w)
+    return out.reshape(*lead, w.shape[0])
+
+
+def _bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] @ b [..., K, N] with short M padded to ROW_TILE rows (see _gemm_is_row_invariant)."""
+    m = a.shape[-2]
+    if m >= ROW_TILE:
+        return torch.matmul(a, b)
+    return torch.matmul(F.pad(a, (0, 0, 0, ROW_TILE - m)), b)[..., :m, :]
 
 
 def bi_silu(x: torch.Tensor) -> torch.Tensor:
@@ -40,41 +84,55 @@ def bi_silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q (B, H, T, D), k/v (B, H, L, D), mask (B or 1, 1, T, L) True = attend -> (B, H, T, D)."""
-    scores = (q.unsqueeze(-2) * k.unsqueeze(-3)).sum(-1) * scale  # (B, H, T, L)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # (B, H, T, L)
-    return (probs.unsqueeze(-2) * v.transpose(-1, -2).unsqueeze(-3)).sum(-1)  # (B, H, T, D)
+    """q (B, H, T, D), k/v (B, H, L, D), mask (B or 1, 1, T, L) True = attend -> (B, H, T, D).
+
+    Always over the full key length L with masked keys at -inf, so prefill, decode and training
+    reduce over the same row. Matmuls where the gemm is row-invariant, else explicit row sums.
+    """
+    d, length = q.shape[-1], k.shape[-2]
+    fast = _gemm_is_row_invariant(d, length, q.dtype) and _gemm_is_row_invariant(length, d, q.dtype)
+    if fast:
+        scores = _bi_matmul(q, k.transpose(-1, -2)) * scale  # [B, H, T, L]
+    else:
+        scores = (q.unsqueeze(-2) * k.unsqueeze(-3)).sum(-1) * scale  # [B, H, T, L]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # [B, H, T, L]
+    if fast:
+        return _bi_matmul(probs, v)  # [B, H, T, D]
+    return (probs.unsqueeze(-2) * v.transpose(-1, -2).unsqueeze(-3)).sum(-1)  # [B, H, T, D]
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing in fp32; a stable sort makes ties go to the lowest expert id. -> (weights, ids), (N, k)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)  # (N, E)
-    top_w, top_i = torch.sort(probs, dim=-1, descending=True, stable=True)
-    top_w, top_i = top_w[:, :top_k], top_i[:, :top_k]  # (N, k)
+def route_topk(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The library's routing (fp32 softmax, torch.topk: ties broken however the kernel does)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [N, E]
+    top_w, top_i = torch.topk(probs, top_k, dim=-1)  # [N, k]
     if norm_topk_prob:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     return top_w.to(router_logits.dtype), top_i
 
 
-def moe_dense_fixed_order(x, top_w, top_i, gate_up, down, linear, silu) -> torch.Tensor:
-    """Every expert on every row; combine in ascending expert id. x (N, H) -> (N, H)."""
-    num_experts = gate_up.shape[0]
-    dense_w = torch.zeros(x.shape[0], num_experts, dtype=x.dtype).scatter(1, top_i, top_w)  # (N, E)
-    out = torch.zeros_like(x)
-    for e in range(num_experts):
-        gate, up = linear(x, gate_up[e]).chunk(2, dim=-1)
-        out = out + linear(silu(gate) * up, down[e]) * dense_w[:, e : e + 1]
-    return out
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing in fp32; a stable sort makes ties go to the lowest expert id. -> (weights, ids) [N, k]."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [N, E]
+    top_w, top_i = torch.sort(probs, dim=-1, descending=True, stable=True)
+    top_w, top_i = top_w[:, :top_k], top_i[:, :top_k]  # [N, k]
+    if norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_w.to(router_logits.dtype), top_i
 
 
-def moe_grouped(x, top_w, top_i, gate_up, down, linear, silu) -> torch.Tensor:
-    """The library dispatch: gather each expert's rows, run them as one call, index_add_ back."""
+def moe_dispatch(x, top_w, top_i, gate_up, down, linear, silu) -> torch.Tensor:
+    """Gather each expert's rows, run them as one call, add back with index_add in ascending expert id.
+
+    With default kernels an expert's output for a token depends on how many tokens share the call;
+    with bi_linear it does not, and the ascending combine fixes each token's summation order.
+    x [N, H] -> [N, H].
+    """
     out = torch.zeros_like(x)
-    for e in torch.unique(top_i).tolist():
+    for e in torch.unique(top_i).tolist():  # sorted
         token_idx, slot = torch.where(top_i == e)
         gate, up = linear(x[token_idx], gate_up[e]).chunk(2, dim=-1)
         y = linear(silu(gate) * up, down[e]) * top_w[token_idx, slot, None]
@@ -85,11 +143,11 @@ def moe_grouped(x, top_w, top_i, gate_up, down, linear, silu) -> torch.Tensor:
 @dataclass(frozen=True)
 class Ops:
     name: str
-    linear: callable
-    silu: callable
-    attention: callable
-    moe: callable
+    linear: Callable
+    silu: Callable
+    attention: Callable
+    route: Callable
 
 
-DEFAULT_OPS = Ops("default", F.linear, F.silu, sdpa_attention, moe_grouped)
-BATCH_INVARIANT_OPS = Ops("batch_invariant", bi_linear, bi_silu, bi_attention, moe_dense_fixed_order)
+DEFAULT_OPS = Ops("default", F.linear, F.silu, sdpa_attention, route_topk)
+BATCH_INVARIANT_OPS = Ops("batch_invariant", bi_linear, bi_silu, bi_attention, route)
