@@ -80,3 +80,48 @@ def test_top_p_keeps_the_nucleus():
     logp = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert top_p_mask(logp, 0.7).tolist() == [[True, True, False, False]]
     assert top_p_mask(logp, 1e-6).tolist() == [[True, False, False, False]]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_worker_routing_and_batch_size_do_not_change_seeded_samples(name):
+    model = build_model(ModelConfig(name=name), seed=0)
+    params = SamplingParams(1.0, 1.0, 8, (EOS,))
+    reqs = _requests(24)
+    layouts = [dict(num_workers=1, max_batch_size=64, fixed_routing=True),
+               dict(num_workers=3, max_batch_size=5, fixed_routing=True),
+               dict(num_workers=2, max_batch_size=3, fixed_routing=False)]  # dynamic batches, same ops + seeds
+    outs = []
+    for kw in layouts:
+        eng = EmbeddedEngine(model, BATCH_INVARIANT_OPS, CTX, params, seed=0, **kw)
+        outs.append({r.uid: (r.tokens, r.logprobs) for r in eng.generate(reqs)})
+        assert {w for w, _ in eng.batch_log} == set(range(kw["num_workers"]))  # every worker served
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_fixed_routing_returns_request_order_and_batches_deterministically():
+    eng = EmbeddedEngine(
+        build_model(ModelConfig(), seed=0), BATCH_INVARIANT_OPS, CTX, SamplingParams(max_new_tokens=3), seed=0,
+        num_workers=3, max_batch_size=4, fixed_routing=True)
+    reqs = _requests(20)
+    res = eng.generate(reqs)
+    assert [r.uid for r in res] == [r.uid for r in reqs]
+    first = sorted(eng.batch_log)
+    eng.generate(reqs)
+    assert sorted(eng.batch_log) == first  # the same batches on the same workers
+
+
+def test_dynamic_engine_serves_every_request_once():
+    eng = EmbeddedEngine(build_model(ModelConfig(), seed=0), DEFAULT_OPS, CTX, SamplingParams(max_new_tokens=3),
+                         seed=0, num_workers=2, max_batch_size=5, fixed_routing=False)
+    reqs = _requests(30, seeded=False)
+    res = eng.generate(reqs)
+    assert sorted(r.uid for r in res) == sorted(r.uid for r in reqs)
+    served = [u for _, uids in eng.batch_log for u in uids]
+    assert sorted(served) == sorted(r.uid for r in reqs)
+    assert all(1 <= len(uids) <= 5 for _, uids in eng.batch_log)
+
+
+def test_shared_stream_gives_identical_requests_different_samples():
+    eng = _engine(ops=DEFAULT_OPS)
+    same = [Request(0, i, (3, 4, 5, 6)) for i in range(6)]
+    assert len({tuple(r.tokens) for r in eng.generate(same)}) > 1

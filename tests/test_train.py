@@ -28,8 +28,10 @@ def test_three_step_run_logs_every_step_to_jsonl_and_wandb(tmp_path, model):
 @pytest.mark.parametrize("model, algo", [("qwen3", "grpo"), ("qwen3_moe", "grpo"), ("qwen3", "dapo"),
                                          ("qwen3_moe", "dapo")])
 def test_determinism_on_gives_identical_fingerprints_and_true_on_policy(tmp_path, model, algo):
-    a = run_tiny(tmp_path / "a", f"model={model}", f"algo={algo}", "determinism=on")
-    b = run_tiny(tmp_path / "b", f"model={model}", f"algo={algo}", "determinism=on")
+    # two runs with different engine layouts: 2 workers x batches of 64 vs 3 workers x batches of 5
+    a = run_tiny(tmp_path / "a", f"model={model}", f"algo={algo}", "determinism=on", "rollout.num_workers=2")
+    b = run_tiny(tmp_path / "b", f"model={model}", f"algo={algo}", "determinism=on", "rollout.num_workers=3",
+                 "rollout.max_batch_size=5")
     assert [[r[k] for k in FP_KEYS] for r in a] == [[r[k] for k in FP_KEYS] for r in b]
     assert len({r["fp/params"] for r in a}) == 3  # not vacuous: the weights moved every step
     # the trainer's logprobs of the sampled tokens equal the rollout's, bitwise

@@ -99,7 +99,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 4
-    num_workers: int = 1
+    num_workers: int = 2  # concurrent engine workers (threads), each batching what is routed to it
+    max_batch_size: int = 64  # requests per engine batch
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
 
 
@@ -149,6 +150,11 @@ class TrainConfig:
     run_dir: str | None = None  # default: Hydra's output dir
 
 
+@dataclass
+class ProbeConfig(TrainConfig):
+    trials: int = 50  # batches per probe mode
+
+
 MODEL_NAMES = ("qwen3", "qwen3_moe")
 ALGO_NAMES = ("grpo", "dapo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -160,6 +166,7 @@ MODEL_INITS = ("warmstart", "random")
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    ConfigStore.instance().store(name="probe_schema", node=ProbeConfig)
 
 
 def _choice(where: str, value: Any, choices: tuple) -> None:
@@ -201,6 +208,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "must be >= 1")
     _check(r.num_workers >= 1, "rollout.num_workers", r.num_workers, "must be >= 1")
+    _check(r.max_batch_size >= 1, "rollout.max_batch_size", r.max_batch_size, "must be >= 1")
     _check(not r.partial.enabled, "rollout.partial.enabled", r.partial.enabled,
            "partial rollout is not implemented yet (see the partial-rollout issue)")
     _choice("data.name", cfg.data.name, ("arithmetic",))

@@ -3,7 +3,8 @@
 | source              | off (torch defaults, as real systems run)  | on                                           |
 |---------------------|--------------------------------------------|----------------------------------------------|
 | sampling RNG        | one shared stream, in call order           | per-sample seed = hash(seed, step, uid, idx) |
-| result order        | as the engine returns them                 | sorted by uid                                |
+| result order        | completion order                           | submission order (data position, sample idx) |
+| routing to workers  | first free worker, dynamic batches         | uid -> worker by a fixed rule                |
 | kernels             | F.linear / SDPA / F.silu / grouped MoE     | batch-invariant ops (detrl.models.ops)       |
 | MoE dispatch        | gather per expert, index_add_              | all experts, fixed ascending combine         |
 | torch               | defaults                                   | deterministic algorithms, CUBLAS workspace,  |
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from detrl.models.ops import BATCH_INVARIANT_OPS, DEFAULT_OPS, Ops
-from detrl.rollout.base import Result
+from detrl.rollout.base import Request, Result
 
 
 def stable_hash(*parts: int | str) -> int:
@@ -54,8 +55,17 @@ class Determinism:
             return None
         return stable_hash("sample", self.seed, step, prompt_uid, sample_index)
 
-    def order(self, results: list[Result]) -> list[Result]:
-        return sorted(results, key=lambda r: r.uid) if self.enabled else list(results)
+    @property
+    def fixed_routing(self) -> bool:
+        """on: uid -> worker by a fixed rule, batches in submission order; off: first free worker."""
+        return self.enabled
+
+    def order(self, results: list[Result], requests: list[Request]) -> list[Result]:
+        """on: submission order (data position, then sample index); off: as the engine returned them."""
+        if not self.enabled:
+            return list(results)
+        rank = {r.uid: i for i, r in enumerate(requests)}
+        return sorted(results, key=lambda r: rank[r.uid])
 
 
 def setup(enabled: bool, seed: int) -> Determinism:

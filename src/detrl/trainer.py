@@ -67,14 +67,15 @@ def load_policy(cfg: TrainConfig, tokenizer, task, ctx_len: int) -> torch.nn.Mod
     return build_model(cfg.model, seed=cfg.seed)
 
 
-def generate_round(engine, det, task, tokenizer, cfg: TrainConfig, step: int, data_pos: int) -> list[Result]:
-    """Requests for `train_batch_size` prompts x n samples from data position `data_pos`."""
-    requests = []
+def generate_round(engine, det, task, tokenizer, cfg: TrainConfig, step: int, data_pos: int):
+    """`train_batch_size` prompts x n samples from data position `data_pos` -> (results, answers by uid)."""
+    requests, answers = [], {}
     for i, p in enumerate(task.batch(data_pos, cfg.train_batch_size)):
         uid = det.prompt_uid(data_pos + i)
         ids = tuple(encode(tokenizer, p.prompt))
         requests += [Request(uid, k, ids, det.sampling_seed(step, uid, k)) for k in range(cfg.rollout.n)]
-    return det.order(engine.generate(requests))
+        answers[uid] = p.answer
+    return det.order(engine.generate(requests), requests), answers
 
 
 def score(results: list[Result], answers: dict[int, str], tokenizer, eos: int) -> torch.Tensor:
@@ -83,42 +84,37 @@ def score(results: list[Result], answers: dict[int, str], tokenizer, eos: int) -
 
 
 def collect(engine, det, task, tokenizer, cfg: TrainConfig, step: int, data_pos: int, ctx_len: int):
-    """Rollouts for one step; with DAPO dynamic sampling, generate until enough groups have signal."""
+    """Rollouts for one step, as whole prompt groups in the order `det` gives them (submission order
+    when on, completion order when off). With DAPO dynamic sampling, generate rounds until
+    `train_batch_size` groups have reward signal, and take the first ones."""
     ds, ol = cfg.algo.dynamic_sampling, cfg.algo.overlong
-    kept: list[Result] = []
-    kept_scores, kept_correct = [], []
+    kept: list[tuple[list[Result], torch.Tensor, torch.Tensor]] = []  # per group: results, shaped, correct
     rounds = 0
-    while True:
+    while len(kept) < cfg.train_batch_size:
         rounds += 1
-        answers = {det.prompt_uid(data_pos + i): p.answer for i, p in enumerate(task.batch(data_pos, cfg.train_batch_size))}
-        results = generate_round(engine, det, task, tokenizer, cfg, step, data_pos)
+        if ds.enabled and ds.max_num_gen_batches and rounds > ds.max_num_gen_batches:
+            raise RuntimeError(
+                f"dynamic sampling kept {len(kept)} of {cfg.train_batch_size} groups after "
+                f"algo.dynamic_sampling.max_num_gen_batches={ds.max_num_gen_batches} rounds at step {step}; "
+                "raise it, or set it to 0 for no limit"
+            )
+        results, answers = generate_round(engine, det, task, tokenizer, cfg, step, data_pos)
         data_pos += cfg.train_batch_size
         correct = score(results, answers, tokenizer, tokenizer.eos_token_id)
         shaped = correct.clone()
         if ol.enabled:
             lengths = torch.tensor([len(r.tokens) for r in results])
             shaped = shaped + overlong_penalty(lengths, cfg.rollout.max_new_tokens, ol.buffer_len, ol.penalty_factor)
-        if not ds.enabled:
-            kept, kept_scores, kept_correct = results, [shaped], [correct]
-            break
-        groups = [r.request.prompt_uid for r in results]
-        keep = set(filter_groups(shaped.tolist(), groups))
-        sel = [i for i, g in enumerate(groups) if g in keep]
-        kept += [results[i] for i in sel]
-        kept_scores.append(shaped[sel])
-        kept_correct.append(correct[sel])
-        if len(kept) >= cfg.train_batch_size * cfg.rollout.n:
-            break
-        if ds.max_num_gen_batches and rounds >= ds.max_num_gen_batches:
-            raise RuntimeError(
-                f"dynamic sampling kept {len(kept) // cfg.rollout.n} of {cfg.train_batch_size} groups after "
-                f"algo.dynamic_sampling.max_num_gen_batches={ds.max_num_gen_batches} rounds at step {step}; "
-                "raise it, or set it to 0 for no limit"
-            )
-    n_keep = cfg.train_batch_size * cfg.rollout.n
-    kept, scores, correct = kept[:n_keep], torch.cat(kept_scores)[:n_keep], torch.cat(kept_correct)[:n_keep]
-    batch = to_tensors(kept, scores, correct, ctx_len)
-    batch.gen_rounds, batch.kept_groups = rounds, len(kept) // cfg.rollout.n
+        groups: dict[int, list[int]] = {}  # prompt uid -> result indices, in first-seen order
+        for i, r in enumerate(results):
+            groups.setdefault(r.request.prompt_uid, []).append(i)
+        uids = [r.request.prompt_uid for r in results]
+        keep = filter_groups(shaped.tolist(), uids) if ds.enabled else list(groups)
+        kept += [([results[i] for i in groups[g]], shaped[groups[g]], correct[groups[g]]) for g in keep]
+    kept = kept[: cfg.train_batch_size]
+    batch = to_tensors([r for g in kept for r in g[0]], torch.cat([g[1] for g in kept]),
+                       torch.cat([g[2] for g in kept]), ctx_len)
+    batch.gen_rounds, batch.kept_groups = rounds, len(kept)
     return batch, data_pos
 
 
@@ -236,7 +232,8 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     model.train()
     rope = rope_tables(model.config, ctx_len)
     sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, (tokenizer.eos_token_id,))
-    engine = EmbeddedEngine(model, det.ops, ctx_len, sampling, seed=cfg.seed)
+    engine = EmbeddedEngine(model, det.ops, ctx_len, sampling, seed=cfg.seed, num_workers=r.num_workers,
+                            max_batch_size=r.max_batch_size, fixed_routing=det.fixed_routing)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     tracker = Tracker(run_dir, cfg.logger, run_name(cfg), group, dataclasses.asdict(cfg),
                       tags=[f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={cfg.determinism.name}"])

@@ -1,8 +1,18 @@
-"""The embedded engine: an in-process sampler with a KV cache over the functional Qwen3 forward."""
+"""The embedded engine: concurrent in-process workers, each batching the requests routed to it.
+
+Like a serving engine with several replicas and dynamic batching: `generate` routes requests to
+`num_workers` threads; each runs a KV-cache sampler over the functional Qwen3 forward on batches of up
+to `max_batch_size` requests. With `fixed_routing` (determinism on) a request's worker is a function of
+its uid and each worker batches its share in submission order. Without it (off) requests arrive one
+prompt group at a time on a shared queue, a free worker takes whatever is queued (first free, dynamic
+batch composition), and results come back in completion order.
+"""
 
 from __future__ import annotations
 
 import copy
+import queue
+import threading
 
 import torch
 
@@ -11,15 +21,25 @@ from detrl.models.ops import Ops
 from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
 
+_DONE = None
+
+
+def worker_of(request: Request, num_workers: int) -> int:
+    """The fixed routing rule: a stable function of the uid."""
+    return (request.prompt_uid * 1_000_003 + request.sample_index) % num_workers
+
 
 class EmbeddedEngine:
     """Holds its own copy of the policy weights (synced by `update_weights`, as a serving engine would)."""
 
-    def __init__(self, model: torch.nn.Module, ops: Ops, ctx_len: int, params: SamplingParams, seed: int):
+    def __init__(self, model: torch.nn.Module, ops: Ops, ctx_len: int, params: SamplingParams, seed: int,
+                 num_workers: int = 1, max_batch_size: int = 64, fixed_routing: bool = True):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         self.ops, self.ctx_len, self.params = ops, ctx_len, params
+        self.num_workers, self.max_batch_size, self.fixed_routing = num_workers, max_batch_size, fixed_routing
         self.rope = rope_tables(self.model.config, ctx_len)
         self.generator = torch.Generator().manual_seed(seed)  # the shared stream (requests without a seed)
+        self.batch_log: list[tuple[int, tuple[tuple[int, int], ...]]] = []  # (worker, uids) per batch run
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict)
@@ -27,11 +47,79 @@ class EmbeddedEngine:
     def close(self) -> None:
         pass
 
-    @torch.no_grad()
     def generate(self, requests: list[Request]) -> list[Result]:
-        """Sample a response for each request; results come back in request order."""
+        """All requests through the workers. Fixed routing: results in request order; else completion order."""
+        self.batch_log = []
         if not requests:
             return []
+        if self.fixed_routing:
+            return self._generate_fixed(requests)
+        return self._generate_dynamic(requests)
+
+    def _generate_fixed(self, requests: list[Request]) -> list[Result]:
+        shards: list[list[Request]] = [[] for _ in range(self.num_workers)]
+        for r in requests:
+            shards[worker_of(r, self.num_workers)].append(r)
+
+        def work(w: int) -> list[Result]:
+            out = []
+            for lo in range(0, len(shards[w]), self.max_batch_size):
+                out += self._logged_batch(w, shards[w][lo : lo + self.max_batch_size])
+            return out
+
+        by_uid = {res.uid: res for shard in _run_threads(work, self.num_workers) for res in shard}
+        return [by_uid[r.uid] for r in requests]
+
+    def _generate_dynamic(self, requests: list[Request]) -> list[Result]:
+        inbox: queue.Queue = queue.Queue()
+        done: list[Result] = []
+        lock = threading.Lock()
+
+        def work(w: int) -> list[Result]:
+            while True:
+                first = inbox.get()
+                if first is _DONE:
+                    inbox.put(_DONE)  # let the other workers see it too
+                    return []
+                batch = [first]
+                while len(batch) < self.max_batch_size:  # whatever has arrived, up to a full batch
+                    try:
+                        nxt = inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is _DONE:
+                        inbox.put(_DONE)
+                        break
+                    batch.append(nxt)
+                results = self._logged_batch(w, batch)
+                with lock:
+                    done.extend(results)  # completion order
+
+        def feed() -> None:  # requests arrive one prompt group at a time
+            group: list[Request] = []
+            for r in requests:
+                if group and r.prompt_uid != group[0].prompt_uid:
+                    for g in group:
+                        inbox.put(g)
+                    group = []
+                group.append(r)
+            for g in group:
+                inbox.put(g)
+            inbox.put(_DONE)
+
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        _run_threads(work, self.num_workers)
+        feeder.join()
+        return done
+
+    def _logged_batch(self, worker: int, batch: list[Request]) -> list[Result]:
+        self.batch_log.append((worker, tuple(r.uid for r in batch)))
+        return self.run_batch(batch)
+
+    @torch.no_grad()
+    def run_batch(self, requests: list[Request]) -> list[Result]:
+        """Sample a response for each request of one engine batch, in request order."""
         p = self.params
         b = len(requests)
         lens = torch.tensor([len(r.prompt_ids) for r in requests])  # [B]
@@ -74,3 +162,24 @@ class EmbeddedEngine:
             n = int(finished_at[i])
             out.append(Result(r, tok_mat[i][:n], lp_mat[i][:n], "stop" if bool(done[i]) else "length"))
         return out
+
+
+def _run_threads(fn, n: int) -> list:
+    """fn(i) for i in range(n) on n threads; re-raises the first worker error."""
+    results: list = [None] * n
+    errors: list[BaseException] = []
+
+    def target(i: int) -> None:
+        try:
+            results[i] = fn(i)
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
