@@ -65,10 +65,20 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, k)  # [M, K]
     m = rows.shape[0]
     if _gemm_is_row_invariant(k, w.shape[0], x.dtype):
-        out = F.linear(F.pad(rows, (0, 0, 0, ROW_TILE - m)), w)[:m] if m < ROW_TILE else F.linear(rows, w)
+        out = F.linear(_pad_rows(rows), w)[:m] if m < ROW_TILE else F.linear(rows, w)
     else:
         out = _tiled_linear(rows, w)
     return out.reshape(*lead, w.shape[0])
+
+
+def _pad_rows(a: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] with M < ROW_TILE -> [..., ROW_TILE, K]. The extra rows are never read back, so
+    without autograd they are left unfilled (a gemm row depends on its own input row only); with it
+    they are zeros, since the weight gradient sums over all rows."""
+    shape = (*a.shape[:-2], ROW_TILE, a.shape[-1])
+    out = a.new_zeros(shape) if a.requires_grad and torch.is_grad_enabled() else a.new_empty(shape)
+    out[..., : a.shape[-2], :] = a
+    return out
 
 
 def _bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -76,7 +86,7 @@ def _bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     m = a.shape[-2]
     if m >= ROW_TILE:
         return torch.matmul(a, b)
-    return torch.matmul(F.pad(a, (0, 0, 0, ROW_TILE - m)), b)[..., :m, :]
+    return torch.matmul(_pad_rows(a), b)[..., :m, :]
 
 
 def bi_silu(x: torch.Tensor) -> torch.Tensor:
