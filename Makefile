@@ -3,7 +3,7 @@ PYTHON ?= python
 # the CPU build of torch that this project is tested with; override on GPU machines (TORCH="torch")
 TORCH ?= torch==2.13.0
 
-.PHONY: help install train test lint format
+.PHONY: help install train test lint format matrix
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -23,3 +23,8 @@ lint:  ## ruff
 format:  ## ruff format + import order
 	$(PYTHON) -m ruff check --fix src tests train.py benchmarks
 	$(PYTHON) -m ruff format src tests train.py benchmarks
+
+matrix: install  ## run the determinism_matrix study, then render its report into docs/determinism_matrix/
+	rm -rf outputs/sweeps/determinism_matrix_latest
+	$(PYTHON) train.py -m experiment=determinism_matrix hydra.sweep.dir=outputs/sweeps/determinism_matrix_latest
+	$(PYTHON) -m detrl.report outputs/sweeps/determinism_matrix_latest --out docs/determinism_matrix

@@ -69,3 +69,18 @@ def test_cli_rejects_bad_input_without_leaving_a_run_dir(tmp_path, override, nee
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not run_dir.exists()
+
+
+def test_dapo_differs_from_grpo_only_through_its_yaml():
+    from dataclasses import asdict
+
+    from omegaconf import OmegaConf
+
+    dapo_yaml = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "algo" / "dapo.yaml"))
+
+    def flat(d, prefix="algo"):
+        for k, v in d.items():
+            yield from flat(v, f"{prefix}.{k}") if isinstance(v, dict) else [f"{prefix}.{k}={v}"]
+
+    as_grpo = make_cfg("algo=grpo", *flat(dapo_yaml))
+    assert asdict(as_grpo.algo) == asdict(make_cfg("algo=dapo").algo)

@@ -13,11 +13,15 @@ from omegaconf import DictConfig, OmegaConf
 from detrl.config import ConfigError, to_typed
 
 
-def _hydra_dirs() -> tuple[Path, str]:
-    hc = HydraConfig.get()
-    run_dir = Path(hc.runtime.output_dir)
-    group = Path(hc.sweep.dir).name if hc.mode == RunMode.MULTIRUN else "single"
-    return run_dir, group
+def wandb_group(multirun: bool, sweep_dir: str, experiment: str | None) -> str:
+    """The W&B group: the sweep's name for a multirun, else the experiment's, else `single`.
+
+    >>> wandb_group(True, "outputs/sweeps/smoke_2026-11-29_10-00-00", "smoke")
+    'smoke_2026-11-29_10-00-00'
+    """
+    if multirun:
+        return Path(sweep_dir).name
+    return experiment or "single"
 
 
 def _remove_if_fresh(run_dir: Path) -> None:
@@ -27,7 +31,8 @@ def _remove_if_fresh(run_dir: Path) -> None:
 
 
 def main_task(cfg: DictConfig) -> dict:
-    run_dir, group = _hydra_dirs()
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
     try:
         typed = to_typed(cfg)
     except (ConfigError, ValueError) as e:  # OmegaConf validation errors are ValueErrors too
@@ -40,7 +45,8 @@ def main_task(cfg: DictConfig) -> dict:
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     from detrl.trainer import train  # heavy imports after validation
 
-    summary = train(typed, run_dir, group=typed.experiment or group)
+    group = wandb_group(hc.mode == RunMode.MULTIRUN, hc.sweep.dir, typed.experiment)
+    summary = train(typed, run_dir, group=group)
     if summary:
         print(f"reward: first {summary['reward/first']:.3f} -> last {summary['reward/last']:.3f} "
               f"over {summary['steps']} steps; run dir {run_dir}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +58,14 @@ def context_length(task: ArithmeticTask, tokenizer, max_new_tokens: int) -> int:
     return -(-(longest + max_new_tokens) // 8) * 8
 
 
+def cell_name(cfg: TrainConfig) -> str:
+    """The sweep cell a run belongs to: everything but the replicate index."""
+    partial = "on" if cfg.rollout.partial.enabled else "off"
+    return f"{cfg.model.name}_{cfg.algo.name}_det-{cfg.determinism.name}_partial-{partial}_s{cfg.seed}"
+
+
 def run_name(cfg: TrainConfig) -> str:
-    return f"{cfg.model.name}_{cfg.algo.name}_det-{cfg.determinism.name}_s{cfg.seed}_r{cfg.repeat}"
+    return f"{cell_name(cfg)}_r{cfg.repeat}"
 
 
 def load_policy(cfg: TrainConfig, tokenizer, task, ctx_len: int) -> torch.nn.Module:
@@ -235,8 +242,10 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     engine = EmbeddedEngine(model, det.ops, ctx_len, sampling, seed=cfg.seed, num_workers=r.num_workers,
                             max_batch_size=r.max_batch_size, fixed_routing=det.fixed_routing)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-    tracker = Tracker(run_dir, cfg.logger, run_name(cfg), group, dataclasses.asdict(cfg),
-                      tags=[f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={cfg.determinism.name}"])
+    tags = [f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={cfg.determinism.name}",
+            f"partial={cfg.rollout.partial.enabled}", f"repeat={cfg.repeat}"]
+    tracker = Tracker(run_dir, cfg.logger, run_name(cfg), group, dataclasses.asdict(cfg), tags=tags,
+                      job_type=cell_name(cfg))
     data_pos, curve, exit_code = 0, [], 1
     try:
         bar = tqdm(range(1, cfg.steps + 1), desc=run_name(cfg), unit="step", dynamic_ncols=True)
@@ -268,6 +277,9 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
         summary = reward_summary(curve)
         tracker.summary(summary)
         tracker.finish(exit_code)
+    # written last: its presence marks a complete run for the sweep analysis
+    (run_dir / "summary.json").write_text(json.dumps({"status": "complete", "run": run_name(cfg),
+                                                      "cell": cell_name(cfg), **summary}, indent=1))
     return summary
 
 
