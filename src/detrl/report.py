@@ -51,10 +51,15 @@ def _curves(sweep: Sweep, metric: str, title: str, ylog: bool = False):
     s = spread(sweep, metric)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     det = sweep.runs.drop_duplicates("cell").set_index("cell").determinism
+    # on and off of the same setting share a colour; solid = on, dashed = off
+    base = {c: ",".join(p for p in c.split(",") if not p.startswith("determinism=")) or "default" for c in det.index}
+    colors = {b: f"C{i}" for i, b in enumerate(sorted(set(base.values())))}
     for cell, g in s.groupby("cell"):
         style = "-" if det.get(cell) == "on" else "--"
-        line, = ax.plot(g.step, g["mean"], style, label=cell, lw=1.2)
-        ax.fill_between(g.step, g["min"], g["max"], color=line.get_color(), alpha=0.15)
+        color = colors[base[cell]]
+        ax.plot(g.step, g["mean"], style, color=color, label=cell, lw=1.2)
+        ax.fill_between(g.step, g["min"], g["max"], color=color, alpha=0.12)
+    ax.xaxis.get_major_locator().set_params(integer=True)
     if ylog:
         ax.set_yscale("symlog", linthresh=1e-9)
     ax.set_xlabel("step")
