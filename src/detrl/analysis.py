@@ -22,7 +22,7 @@ import yaml
 FP_ORDER = ("fp/rollout_tokens", "fp/rollout_logprobs", "fp/batch_order", "fp/params")
 FP_SOURCE = {"fp/rollout_tokens": "rollout", "fp/rollout_logprobs": "rollout", "fp/batch_order": "rollout order",
              "fp/params": "trainer"}
-_NOT_CELL = ("repeat", "experiment", "logger", "hydra", "run_dir")
+_NOT_CELL = ("repeat", "experiment", "logger", "hydra", "run_dir", "resume", "checkpoint")
 
 
 def load_metrics(run_dir: str | Path) -> list[dict]:

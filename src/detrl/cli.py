@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from detrl.config import ConfigError, to_typed
 
@@ -39,14 +39,17 @@ def main_task(cfg: DictConfig) -> dict:
         _remove_if_fresh(run_dir)
         print(f"detrl: config error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
-    if typed.run_dir:
+    if typed.run_dir and Path(typed.run_dir).resolve() != run_dir.resolve():
+        _remove_if_fresh(run_dir)  # Hydra's own dir is not used
         run_dir = Path(typed.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     from detrl.trainer import train  # heavy imports after validation
 
     group = wandb_group(hc.mode == RunMode.MULTIRUN, hc.sweep.dir, typed.experiment)
-    summary = train(typed, run_dir, group=group)
+    try:
+        summary = train(typed, run_dir, group=group)
+    except ConfigError as e:  # e.g. a refused resume: one line, and what was logged stays as it was
+        print(f"detrl: {str(e).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
     if summary:
         print(f"reward: first {summary['reward/first']:.3f} -> last {summary['reward/last']:.3f} "
               f"over {summary['steps']} steps; run dir {run_dir}")

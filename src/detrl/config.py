@@ -125,7 +125,10 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_final: bool = True
+    every: int = 0  # exact-resume checkpoint every N steps (0 = only at the end)
+    keep_last: int = 2  # exact-resume checkpoints kept
+    allow_config_change: bool = False  # resume even when the config differs from the checkpoint's
+    save_final: bool = True  # also save the final policy in Hugging Face format (checkpoint-final/)
 
 
 @dataclass
@@ -148,6 +151,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     run_dir: str | None = None  # default: Hydra's output dir
+    resume: str | None = None  # auto (latest checkpoint in run_dir, else start fresh) | a run or checkpoint dir
 
 
 @dataclass
@@ -221,6 +225,8 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.train_batch_size >= 1, "train_batch_size", cfg.train_batch_size, "must be >= 1")
     _check(cfg.micro_batch_size >= 1, "micro_batch_size", cfg.micro_batch_size, "must be >= 1")
     _check(cfg.lr > 0, "lr", cfg.lr, "must be > 0")
+    _check(cfg.checkpoint.every >= 0, "checkpoint.every", cfg.checkpoint.every, "must be >= 0 (0 = only at the end)")
+    _check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
 
 
 def to_typed(cfg: DictConfig) -> TrainConfig:

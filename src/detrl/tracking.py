@@ -12,7 +12,7 @@ from detrl.config import LoggerConfig
 
 class Tracker:
     def __init__(self, run_dir: Path, cfg: LoggerConfig, run_name: str, group: str, config: dict[str, Any],
-                 tags: list[str] | None = None, job_type: str | None = None):
+                 tags: list[str] | None = None, job_type: str | None = None, run_id: str | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = self.path.open("a", buffering=1)
         self.wandb_run = None
@@ -24,6 +24,7 @@ class Tracker:
                 project=cfg.project, entity=cfg.entity, group=cfg.group or group, name=run_name,
                 tags=list(cfg.tags) + list(tags or []), config=config, dir=str(run_dir), mode=mode,
                 job_type=job_type or run_name, settings=wandb.Settings(silent=True, console="off"),
+                id=run_id, resume="allow" if run_id else None,
             )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

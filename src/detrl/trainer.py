@@ -10,12 +10,15 @@ import copy
 import dataclasses
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from detrl import checkpoint
 from detrl import determinism as det_mod
 from detrl.algos import (
     agg_loss,
@@ -225,7 +228,13 @@ def rollout_metrics(batch: StepBatch, adv: torch.Tensor, max_new: int) -> dict[s
 
 def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, float]:
     run_dir = Path(run_dir)
+    config = dataclasses.asdict(cfg)
+    # --- a resume is checked before anything is written
+    ckpt = checkpoint.resolve(cfg.resume, run_dir)
+    payload = checkpoint.load(ckpt, config, cfg.checkpoint.allow_config_change) if ckpt else None
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").unlink(missing_ok=True)  # this run is not complete until it says so again
+    OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
     # --- seed and build
     det = det_mod.setup(cfg.determinism.enabled, cfg.seed)
     tokenizer = build_tokenizer()
@@ -244,11 +253,18 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     tags = [f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={cfg.determinism.name}",
             f"partial={cfg.rollout.partial.enabled}", f"repeat={cfg.repeat}"]
-    tracker = Tracker(run_dir, cfg.logger, run_name(cfg), group, dataclasses.asdict(cfg), tags=tags,
-                      job_type=cell_name(cfg))
-    data_pos, curve, exit_code = 0, [], 1
+    state = checkpoint.RunState(wandb_id=uuid.uuid4().hex[:8])
+    if payload is not None:  # exact resume: weights, optimizer, RNGs, data position, buffer, curve
+        state = checkpoint.restore(payload, model, opt, ref_model, engine.generator)
+        engine.update_weights(model.state_dict())
+        checkpoint.truncate_metrics(run_dir, state.step)
+        print(f"resuming from {ckpt} (step {state.step})")
+    tracker = Tracker(run_dir, cfg.logger, run_name(cfg), group, config, tags=tags, job_type=cell_name(cfg),
+                      run_id=state.wandb_id)
+    data_pos, curve, exit_code = state.data_pos, state.curve, 1
     try:
-        bar = tqdm(range(1, cfg.steps + 1), desc=run_name(cfg), unit="step", dynamic_ncols=True)
+        bar = tqdm(range(state.step + 1, cfg.steps + 1), desc=run_name(cfg), unit="step", dynamic_ncols=True,
+                   initial=state.step, total=cfg.steps)
         for step in bar:
             t0 = time.perf_counter()
             # --- rollout -> reward -> advantage
@@ -267,6 +283,11 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             tracker.log(step, metrics)
             curve.append(metrics["critic/score/mean"])
             bar.set_postfix(reward=f"{curve[-1]:.3f}", step_s=f"{metrics['timing_s/step']:.2f}")
+            # --- checkpoint
+            state.step, state.data_pos = step, data_pos
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
+                checkpoint.save(run_dir, state, model, opt, ref_model, engine.generator, config,
+                                cfg.checkpoint.keep_last)
         if cfg.checkpoint.save_final:
             final = run_dir / "checkpoint-final"
             model.save_pretrained(final)

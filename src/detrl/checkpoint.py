@@ -1,0 +1,137 @@
+"""Exact-resume checkpoints: everything a run needs to continue bit for bit.
+
+A checkpoint is `<run_dir>/checkpoints/step-<N>/state.pt`, written to a temp dir and renamed into place,
+so a run killed mid-write leaves the previous checkpoint intact (a leftover `.tmp-*` dir is ignored).
+It holds the policy, the optimizer, the reference model, every RNG state (python, numpy, torch, the
+engine's shared stream), the data position, the partial-rollout buffer, the step, the reward curve and
+the W&B run id, plus the resolved config that made it.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from detrl.config import ConfigError
+
+# settings that may change across a resume without breaking equality
+RESUMABLE_KEYS = ("steps", "resume", "run_dir", "checkpoint", "logger")
+
+
+@dataclass
+class RunState:
+    step: int = 0  # last completed step
+    data_pos: int = 0
+    curve: list[float] = field(default_factory=list)
+    wandb_id: str | None = None
+    buffer: Any = None  # the partial-rollout buffer
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint under a run dir, or None."""
+    done = sorted(checkpoint_root(run_dir).glob("step-*/state.pt"))
+    return done[-1].parent if done else None
+
+
+def save(run_dir: Path, state: RunState, model, optimizer, ref_model, engine_generator: torch.Generator,
+         config: dict, keep_last: int = 2) -> Path:
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "run": vars(state), "config": config,
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "ref_model": ref_model.state_dict() if ref_model is not None else None,
+        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                "engine": engine_generator.get_state()},
+    }
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    torch.save(payload, tmp / "state.pt")
+    final = root / f"step-{state.step:06d}"
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)  # atomic: a reader sees no checkpoint or a whole one
+    for old in sorted(root.glob("step-*"))[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def resolve(resume: str | None, run_dir: Path) -> Path | None:
+    """`auto`: the latest checkpoint in this run dir (None = start fresh); a path: that checkpoint or
+    the latest one in that run dir (missing = error)."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        return latest(run_dir)
+    path = Path(resume)
+    if (path / "state.pt").is_file():
+        return path
+    found = latest(path)
+    if found is None:
+        raise ConfigError(f"resume={resume!r} is not valid: no checkpoint there; use 'auto' or a run/checkpoint dir")
+    return found
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if not prefix and k in RESUMABLE_KEYS:
+                continue
+            d = _diff(a.get(k), b.get(k), f"{prefix}{k}.")
+            if d:
+                return d
+        return None
+    return None if a == b else (prefix.rstrip("."), a, b)
+
+
+def load(path: Path, config: dict, allow_config_change: bool) -> dict:
+    payload = torch.load(Path(path) / "state.pt", weights_only=False)
+    d = _diff(payload["config"], config)
+    if d and not allow_config_change:
+        raise ConfigError(
+            f"resume refused: {d[0]}={d[2]!r} differs from the checkpoint's {d[1]!r} ({path}); "
+            "set checkpoint.allow_config_change=true to resume anyway"
+        )
+    return payload
+
+
+def restore(payload: dict, model, optimizer, ref_model, engine_generator: torch.Generator) -> RunState:
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    if ref_model is not None and payload["ref_model"] is not None:
+        ref_model.load_state_dict(payload["ref_model"])
+    rng = payload["rng"]
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    engine_generator.set_state(rng["engine"])
+    return RunState(**payload["run"])
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Keep metrics.jsonl rows up to `step` (the killed run may have logged past its last checkpoint)."""
+    import json
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError):
+            break
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in keep))
+    tmp.replace(path)

@@ -1,0 +1,94 @@
+"""Exact resume: a run killed with SIGKILL mid-step and resumed equals an uninterrupted run, bitwise."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from detrl import checkpoint
+from detrl.analysis import FP_ORDER, load_metrics
+from detrl.config import ConfigError
+from tests.conftest import ROOT, TINY, make_cfg, run_tiny
+
+STEPS = 6
+
+
+def _cmd(run_dir, *extra):
+    return [sys.executable, "train.py", *[o for o in TINY if not o.startswith("steps=")], f"steps={STEPS}",
+            "checkpoint.every=2", f"run_dir={run_dir}", *extra]
+
+
+def _kill_during_step(run_dir, step, *extra):
+    """Start a run and SIGKILL it while step `step` runs (as soon as step - 1 is logged)."""
+    proc = subprocess.Popen(_cmd(run_dir, *extra), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    metrics = run_dir / "metrics.jsonl"
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= step - 1:
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+
+
+@pytest.mark.parametrize("extra", [["logger=wandb"], ["model=qwen3_moe", "algo=dapo", "logger=none"]],
+                         ids=["dense-grpo-wandb", "moe-dapo"])
+def test_sigkill_mid_step_then_resume_equals_an_uninterrupted_run(tmp_path, extra):
+    straight = tmp_path / "straight"
+    subprocess.run(_cmd(straight, *extra), cwd=ROOT, check=True, capture_output=True, timeout=300)
+    killed = tmp_path / "killed"
+    _kill_during_step(killed, 4, *extra)
+    assert len(load_metrics(killed)) >= 3 and not (killed / "summary.json").exists()
+    assert checkpoint.latest(killed).name in ("step-000002", "step-000004")
+    subprocess.run(_cmd(killed, "resume=auto", *extra), cwd=ROOT, check=True, capture_output=True, timeout=300)
+    a, b = load_metrics(straight), load_metrics(killed)
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1))  # no step logged twice
+    assert [[r[k] for k in FP_ORDER] for r in a] == [[r[k] for k in FP_ORDER] for r in b]
+    if "logger=wandb" in extra:  # the resumed process continued the same W&B run
+        ids = {p.name.rsplit("-", 1)[-1] for p in (killed / "wandb").glob("offline-run-*")}
+        assert len(ids) == 1 and len(list((killed / "wandb").glob("offline-run-*"))) == 2
+
+
+def test_a_half_written_checkpoint_leaves_the_previous_one_usable(tmp_path):
+    run_tiny(tmp_path, "checkpoint.every=1")
+    root = checkpoint.checkpoint_root(tmp_path)
+    assert [p.name for p in sorted(root.glob("step-*"))] == ["step-000002", "step-000003"]  # keep_last=2
+    torch_tmp = root / ".tmp-killed"
+    torch_tmp.mkdir()
+    (torch_tmp / "state.pt").write_bytes(b"\x80\x02 half a pickle")
+    assert checkpoint.latest(tmp_path).name == "step-000003"
+    rows = run_tiny(tmp_path, "resume=auto", "steps=4", "checkpoint.every=1")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_resume_with_a_changed_config_is_refused_and_loses_nothing(tmp_path):
+    from detrl.trainer import train
+
+    run_tiny(tmp_path)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"seed=1 differs .* checkpoint.allow_config_change=true"):
+        train(make_cfg(*TINY, "seed=1", "resume=auto", "steps=4"), tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert checkpoint.latest(tmp_path).name == "step-000003"
+    train(make_cfg(*TINY, "seed=1", "resume=auto", "steps=4", "checkpoint.allow_config_change=true"), tmp_path)
+    assert [r["step"] for r in load_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_resume_from_a_path_without_checkpoints_names_it(tmp_path):
+    with pytest.raises(ConfigError, match="resume="):
+        checkpoint.resolve(str(tmp_path), tmp_path)
+    assert checkpoint.resolve("auto", tmp_path) is None  # auto on a fresh dir: start fresh
+    assert checkpoint.resolve(None, tmp_path) is None
+
+
+def test_checkpoint_holds_every_rng_and_the_optimizer(tmp_path):
+    run_tiny(tmp_path)
+    payload = torch.load(checkpoint.latest(tmp_path) / "state.pt", weights_only=False)
+    assert set(payload["rng"]) == {"python", "numpy", "torch", "engine"}
+    assert payload["optimizer"]["state"] and payload["run"]["step"] == 3 and payload["run"]["data_pos"] > 0
+    assert payload["run"]["wandb_id"]
