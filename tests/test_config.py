@@ -45,7 +45,7 @@ def test_overrides_reach_the_typed_config():
     ("algo.loss_agg_mode=foo", "algo.loss_agg_mode='foo'"),
     ("algo.kl_loss_type=k9", "algo.kl_loss_type='k9'"),
     ("rollout.top_p=0", "rollout.top_p=0"),
-    ("rollout.partial.enabled=true", "rollout.partial.enabled=True"),
+    ("rollout.partial.stale_tokens=drop", "rollout.partial.stale_tokens='drop'"),
 ])
 def test_invalid_settings_fail_with_one_line_naming_the_value(override, needle):
     with pytest.raises(ConfigError) as e:

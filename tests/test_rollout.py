@@ -125,3 +125,30 @@ def test_shared_stream_gives_identical_requests_different_samples():
     eng = _engine(ops=DEFAULT_OPS)
     same = [Request(0, i, (3, 4, 5, 6)) for i in range(6)]
     assert len({tuple(r.tokens) for r in eng.generate(same)}) > 1
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_a_cut_and_continued_sample_equals_an_uncut_one(name):
+    """Partial rollout under on: generate 1 token at a time, carrying the prefix, gives the uncut bits."""
+    eng = _engine(name=name)
+    reqs = _requests(6)
+    whole = {r.uid: (r.tokens, r.logprobs, r.finish_reason) for r in eng.generate(reqs)}
+    pieces = {r.uid: ([], [], "abort") for r in reqs}
+    pending = list(reqs)
+    while pending:
+        results = eng.generate([Request(r.prompt_uid, r.sample_index, r.prompt_ids, r.seed,
+                                        tuple(pieces[r.uid][0]), 1) for r in pending])
+        for res in results:
+            toks, lps, _ = pieces[res.uid]
+            pieces[res.uid] = (toks + res.tokens, lps + res.logprobs, res.finish_reason)
+        pending = [r for r in pending if pieces[r.uid][2] == "abort"]
+    assert pieces == whole
+
+
+def test_dynamic_engine_cut_returns_partial_and_unstarted_requests_as_abort():
+    eng = EmbeddedEngine(build_model(ModelConfig(), seed=0), DEFAULT_OPS, CTX, SamplingParams(max_new_tokens=8),
+                         seed=0, num_workers=1, max_batch_size=2, fixed_routing=False)
+    res = eng.generate(_requests(10, seeded=False), stop_when=lambda done: len(done) >= 2)
+    assert len(res) == 10
+    assert sum(r.finish_reason != "abort" for r in res) >= 2
+    assert any(r.finish_reason == "abort" and not r.tokens for r in res)  # never started

@@ -81,3 +81,33 @@ def test_warm_start_is_cached_and_reloads_bit_for_bit(tmp_path, monkeypatch):
     assert params_digest(built) == params_digest(loaded)
     other = make_cfg("warmstart.steps=4")
     assert warmstart_dir(other.model, other.data, other.warmstart, tok) != path
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
+def test_partial_rollout_on_is_bitwise_reproducible_and_really_carries(tmp_path, model):
+    extra = [f"model={model}", "rollout.partial.enabled=true", "rollout.max_new_tokens=4", "steps=4"]
+    a = run_tiny(tmp_path / "a", *extra, "rollout.num_workers=2")
+    b = run_tiny(tmp_path / "b", *extra, "rollout.num_workers=3", "rollout.max_batch_size=5")
+    assert [[r[k] for k in FP_KEYS] for r in a] == [[r[k] for k in FP_KEYS] for r in b]
+    assert max(r["partial/carried"] for r in a) > 0
+    assert max(r["partial/staleness_max"] for r in a) >= 1
+    assert max(r["response/aborted_ratio"] for r in a) > 0
+    assert all(r["mismatch/train_rollout_logprob_abs_diff_max"] == 0.0 for r in a)  # fresh tokens: on-policy
+
+
+@pytest.mark.parametrize("mode", ["mask", "rescore"])
+def test_stale_token_handling_modes_train(tmp_path, mode):
+    rows = run_tiny(tmp_path, "rollout.partial.enabled=true", f"rollout.partial.stale_tokens={mode}", "steps=4")
+    assert len(rows) == 4 and max(r["partial/staleness_max"] for r in rows) >= 1
+
+
+def test_partial_rollout_off_runs_with_the_async_cut(tmp_path):
+    rows = run_tiny(tmp_path, "rollout.partial.enabled=true", "determinism=off", "rollout.max_batch_size=4")
+    assert len(rows) == 3 and all(r["dapo/kept_groups"] == 8 for r in rows)
+
+
+def test_max_staleness_restarts_old_partial_samples(tmp_path):
+    rows = run_tiny(tmp_path, "rollout.partial.enabled=true", "rollout.partial.max_staleness=0",
+                    "rollout.partial.oversample=3", "steps=4")
+    assert max(r["partial/restarted"] for r in rows) > 0
+    assert all(r["partial/staleness_max"] == 0 for r in rows)

@@ -89,7 +89,11 @@ class DeterminismConfig:
 
 @dataclass
 class PartialRolloutConfig:
-    enabled: bool = False  # implemented in the partial-rollout issue; refused at start until then
+    enabled: bool = False
+    token_budget: int = 1  # determinism on: new tokens per pending sample per generation round (the cut)
+    oversample: float = 1.5  # prompt groups in flight per step, as a multiple of train_batch_size
+    max_staleness: int = 2  # an unfinished sample whose oldest token is older than this many versions restarts
+    stale_tokens: str = "keep"  # keep (importance ratio vs the behaviour logprobs) | mask | rescore
 
 
 @dataclass
@@ -213,8 +217,10 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "must be >= 1")
     _check(r.num_workers >= 1, "rollout.num_workers", r.num_workers, "must be >= 1")
     _check(r.max_batch_size >= 1, "rollout.max_batch_size", r.max_batch_size, "must be >= 1")
-    _check(not r.partial.enabled, "rollout.partial.enabled", r.partial.enabled,
-           "partial rollout is not implemented yet (see the partial-rollout issue)")
+    _check(r.partial.token_budget >= 1, "rollout.partial.token_budget", r.partial.token_budget, "must be >= 1")
+    _check(r.partial.oversample >= 1.0, "rollout.partial.oversample", r.partial.oversample, "must be >= 1")
+    _check(r.partial.max_staleness >= 0, "rollout.partial.max_staleness", r.partial.max_staleness, "must be >= 0")
+    _choice("rollout.partial.stale_tokens", r.partial.stale_tokens, ("keep", "mask", "rescore"))
     _choice("data.name", cfg.data.name, ("arithmetic",))
     _check(set(cfg.data.ops) <= {"+", "-", "*"} and len(cfg.data.ops) > 0, "data.ops", list(cfg.data.ops),
            "choose a non-empty subset of ['+', '-', '*']")

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,39 +19,18 @@ from tqdm import tqdm
 
 from detrl import checkpoint
 from detrl import determinism as det_mod
-from detrl.algos import (
-    agg_loss,
-    compute_policy_loss,
-    filter_groups,
-    grpo_advantages,
-    kl_penalty,
-    overlong_penalty,
-)
+from detrl.algos import agg_loss, compute_policy_loss, grpo_advantages, kl_penalty
 from detrl.algos.core import entropy_from_logp, masked_mean
+from detrl.collect import GroupSource, StepBatch, collect, collect_partial
 from detrl.config import TrainConfig
-from detrl.data import ArithmeticTask, build_tokenizer, exact_match_reward
+from detrl.data import ArithmeticTask, build_tokenizer
 from detrl.fingerprint import floats_digest, ints_digest, params_digest
 from detrl.models.build import build_model
 from detrl.models.forward import forward, rope_tables, token_logprobs
-from detrl.rollout import EmbeddedEngine, Request, Result, SamplingParams
+from detrl.rollout import EmbeddedEngine, SamplingParams
+from detrl.rollout.partial import PartialBuffer
 from detrl.tracking import Tracker
 from detrl.warmstart import encode, load_or_build
-
-
-@dataclass
-class StepBatch:
-    """One step's training data, in training order. N sequences, L = ctx_len."""
-
-    results: list[Result]
-    scores: torch.Tensor  # [N] reward used for advantages (incl. shaping)
-    correct: torch.Tensor  # [N] task reward before shaping
-    group_ids: torch.Tensor  # [N] prompt uid index
-    input_ids: torch.Tensor  # [N, L] prompt + response, left-aligned, zero-padded
-    mask: torch.Tensor  # [N, L-1] 1.0 where the next token is a response token
-    rollout_logp: torch.Tensor  # [N, L-1] the engine's logprob of that token
-    gen_rounds: int
-    kept_groups: int
-    overlong_penalty: torch.Tensor  # [N]
 
 
 def context_length(task: ArithmeticTask, tokenizer, max_new_tokens: int) -> int:
@@ -77,95 +55,39 @@ def load_policy(cfg: TrainConfig, tokenizer, task, ctx_len: int) -> torch.nn.Mod
     return build_model(cfg.model, seed=cfg.seed)
 
 
-def generate_round(engine, det, task, tokenizer, cfg: TrainConfig, step: int, data_pos: int):
-    """`train_batch_size` prompts x n samples from data position `data_pos` -> (results, answers by uid)."""
-    requests, answers = [], {}
-    for i, p in enumerate(task.batch(data_pos, cfg.train_batch_size)):
-        uid = det.prompt_uid(data_pos + i)
-        ids = tuple(encode(tokenizer, p.prompt))
-        requests += [Request(uid, k, ids, det.sampling_seed(step, uid, k)) for k in range(cfg.rollout.n)]
-        answers[uid] = p.answer
-    return det.order(engine.generate(requests), requests), answers
-
-
-def score(results: list[Result], answers: dict[int, str], tokenizer, eos: int) -> torch.Tensor:
-    texts = tokenizer.batch_decode([[t for t in r.tokens if t != eos] for r in results], skip_special_tokens=True)
-    return torch.tensor([exact_match_reward(t, answers[r.request.prompt_uid]) for t, r in zip(texts, results)])
-
-
-def collect(engine, det, task, tokenizer, cfg: TrainConfig, step: int, data_pos: int, ctx_len: int):
-    """Rollouts for one step, as whole prompt groups in the order `det` gives them (submission order
-    when on, completion order when off). With DAPO dynamic sampling, generate rounds until
-    `train_batch_size` groups have reward signal, and take the first ones."""
-    ds, ol = cfg.algo.dynamic_sampling, cfg.algo.overlong
-    kept: list[tuple[list[Result], torch.Tensor, torch.Tensor]] = []  # per group: results, shaped, correct
-    rounds = 0
-    while len(kept) < cfg.train_batch_size:
-        rounds += 1
-        if ds.enabled and ds.max_num_gen_batches and rounds > ds.max_num_gen_batches:
-            raise RuntimeError(
-                f"dynamic sampling kept {len(kept)} of {cfg.train_batch_size} groups after "
-                f"algo.dynamic_sampling.max_num_gen_batches={ds.max_num_gen_batches} rounds at step {step}; "
-                "raise it, or set it to 0 for no limit"
-            )
-        results, answers = generate_round(engine, det, task, tokenizer, cfg, step, data_pos)
-        data_pos += cfg.train_batch_size
-        correct = score(results, answers, tokenizer, tokenizer.eos_token_id)
-        shaped = correct.clone()
-        if ol.enabled:
-            lengths = torch.tensor([len(r.tokens) for r in results])
-            shaped = shaped + overlong_penalty(lengths, cfg.rollout.max_new_tokens, ol.buffer_len, ol.penalty_factor)
-        groups: dict[int, list[int]] = {}  # prompt uid -> result indices, in first-seen order
-        for i, r in enumerate(results):
-            groups.setdefault(r.request.prompt_uid, []).append(i)
-        uids = [r.request.prompt_uid for r in results]
-        keep = filter_groups(shaped.tolist(), uids) if ds.enabled else list(groups)
-        kept += [([results[i] for i in groups[g]], shaped[groups[g]], correct[groups[g]]) for g in keep]
-    kept = kept[: cfg.train_batch_size]
-    batch = to_tensors([r for g in kept for r in g[0]], torch.cat([g[1] for g in kept]),
-                       torch.cat([g[2] for g in kept]), ctx_len)
-    batch.gen_rounds, batch.kept_groups = rounds, len(kept)
-    return batch, data_pos
-
-
-def to_tensors(results: list[Result], scores, correct, ctx_len: int) -> StepBatch:
-    n = len(results)
-    input_ids = torch.zeros(n, ctx_len, dtype=torch.long)
-    mask = torch.zeros(n, ctx_len - 1)
-    rollout_logp = torch.zeros(n, ctx_len - 1)
-    uids = {}
-    for i, r in enumerate(results):
-        p, t = len(r.request.prompt_ids), len(r.tokens)
-        input_ids[i, : p + t] = torch.tensor(r.request.prompt_ids + tuple(r.tokens))
-        mask[i, p - 1 : p - 1 + t] = 1.0
-        rollout_logp[i, p - 1 : p - 1 + t] = torch.tensor(r.logprobs)
-        uids.setdefault(r.request.prompt_uid, len(uids))
-    group_ids = torch.tensor([uids[r.request.prompt_uid] for r in results])
-    return StepBatch(results, scores, correct, group_ids, input_ids, mask, rollout_logp, 1, 0, torch.zeros(n))
-
-
 def sequence_logprobs(model, input_ids, ops, ctx_len, rope, temperature):
     """Trainer logprobs of each next token [N, L-1] and the full log-distributions [N, L-1, V]."""
     logits = forward(model, input_ids, ops, ctx_len, rope)  # [N, L, V]
     return token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
 
 
-def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: TrainConfig, ops, ctx_len, rope):
+def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: TrainConfig, ops, ctx_len, rope,
+           version: int):
     """One optimizer step over the batch, in micro-batches with global denominators. -> metrics."""
     a, temp = cfg.algo, cfg.rollout.temperature
     n = batch.input_ids.shape[0]
-    global_tokens, global_seqs = batch.mask.sum(), (batch.mask.sum(-1) > 0).sum()
+    stale_tokens = cfg.rollout.partial.stale_tokens
+    train_mask = batch.mask * (batch.versions == version) if stale_tokens == "mask" else batch.mask
+    global_tokens, global_seqs = train_mask.sum().clamp_min(1.0), (train_mask.sum(-1) > 0).sum()
     sums = dict.fromkeys(["pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"], 0.0)
     diffs, k3s, pdiffs = [], [], []
     opt.zero_grad(set_to_none=True)
     for lo in range(0, n, cfg.micro_batch_size):
         sl = slice(lo, lo + cfg.micro_batch_size)
-        ids, mask, share = batch.input_ids[sl], batch.mask[sl], batch.mask[sl].sum() / global_tokens
+        ids, mask = batch.input_ids[sl], batch.mask[sl]
+        fresh = (batch.versions[sl] == version).float() * mask  # tokens sampled by the current weights
         logp, logp_full = sequence_logprobs(model, ids, ops, ctx_len, rope, temp)  # [n, L-1], [n, L-1, V]
         tok_adv = adv[sl, None].expand_as(logp)  # [n, L-1]
-        # one update per rollout batch: the old policy is this policy (ratio 1, PPO clip inactive)
-        pg, m = compute_policy_loss(logp, logp.detach(), tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high,
-                                    a.clip_ratio_c)
+        # one update per rollout batch: for fresh tokens the old policy is this policy (ratio 1). Stale
+        # tokens of a partial rollout: keep = importance ratio against the behaviour logprobs (PPO clip),
+        # rescore = the current policy re-scores them (ratio 1), mask = left out of the loss
+        old = logp.detach()
+        if stale_tokens == "keep":
+            old = torch.where(fresh > 0, old, batch.rollout_logp[sl])
+        elif stale_tokens == "mask":
+            mask = fresh
+        share = mask.sum() / global_tokens
+        pg, m = compute_policy_loss(logp, old, tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c)
         agg = dict(mode=a.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
                    max_len=cfg.rollout.max_new_tokens)
         loss = agg_loss(pg, mask, **agg)
@@ -183,14 +105,14 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
         sums["entropy"] += (masked_mean(ent.detach(), mask) * share).item()
         for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
             sums[k] += (m[k] * share).item()
-        # trainer vs rollout on the sampled tokens: exactly 0 is true on-policy
-        d = (logp.detach() - batch.rollout_logp[sl])[mask > 0]
+        # trainer vs rollout on the tokens the current weights sampled: exactly 0 is true on-policy
+        d = (logp.detach() - batch.rollout_logp[sl])[fresh > 0]
         diffs.append(d.abs())
         k3s.append(torch.exp(-d) + d - 1.0)
-        pdiffs.append((logp.detach().exp() - batch.rollout_logp[sl].exp())[mask > 0].abs())
+        pdiffs.append((logp.detach().exp() - batch.rollout_logp[sl].exp())[fresh > 0].abs())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
-    d, k3, pd = torch.cat(diffs), torch.cat(k3s), torch.cat(pdiffs)
+    d, k3, pd = (torch.cat(x) if sum(t.numel() for t in x) else torch.zeros(1) for x in (diffs, k3s, pdiffs))
     return {
         **{f"actor/{k}": v for k, v in sums.items()},
         "actor/grad_norm": grad_norm.item(),
@@ -253,7 +175,8 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     tags = [f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={cfg.determinism.name}",
             f"partial={cfg.rollout.partial.enabled}", f"repeat={cfg.repeat}"]
-    state = checkpoint.RunState(wandb_id=uuid.uuid4().hex[:8])
+    source = GroupSource(det, task, tokenizer, cfg)
+    state = checkpoint.RunState(wandb_id=uuid.uuid4().hex[:8], buffer=PartialBuffer())
     if payload is not None:  # exact resume: weights, optimizer, RNGs, data position, buffer, curve
         state = checkpoint.restore(payload, model, opt, ref_model, engine.generator)
         engine.update_weights(model.state_dict())
@@ -268,14 +191,18 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
         for step in bar:
             t0 = time.perf_counter()
             # --- rollout -> reward -> advantage
-            batch, data_pos = collect(engine, det, task, tokenizer, cfg, step, data_pos, ctx_len)
+            if r.partial.enabled:
+                batch, data_pos = collect_partial(engine, source, state.buffer, step, data_pos, ctx_len)
+            else:
+                batch, data_pos = collect(engine, source, step, data_pos, ctx_len)
             t_rollout = time.perf_counter() - t0
             adv = grpo_advantages(batch.scores, batch.group_ids, cfg.algo.norm_adv_by_std, cfg.algo.adv_epsilon)
             # --- update, then sync the engine's weights
-            metrics = update(model, ref_model, opt, batch, adv, cfg, det.ops, ctx_len, rope)
+            metrics = update(model, ref_model, opt, batch, adv, cfg, det.ops, ctx_len, rope, version=step - 1)
             engine.update_weights(model.state_dict())
             # --- log
             metrics.update(rollout_metrics(batch, adv, r.max_new_tokens))
+            metrics.update(batch.stats)
             metrics["fp/params"] = params_digest(model)
             metrics["timing_s/rollout"] = t_rollout
             metrics["timing_s/step"] = time.perf_counter() - t0

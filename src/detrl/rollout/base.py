@@ -19,6 +19,8 @@ class Request:
     sample_index: int  # index within the prompt's group
     prompt_ids: tuple[int, ...]
     seed: int | None = None  # per-sample sampling seed; None = the engine's shared RNG stream
+    prefix: tuple[int, ...] = ()  # response tokens already generated (a partial rollout carried over)
+    max_new_tokens: int | None = None  # new tokens allowed in this call (None: up to the sampling limit)
 
     @property
     def uid(self) -> tuple[int, int]:
@@ -28,9 +30,9 @@ class Request:
 @dataclass
 class Result:
     request: Request
-    tokens: list[int]  # sampled response tokens, the stop token included
+    tokens: list[int]  # tokens sampled in this call (after any prefix), the stop token included
     logprobs: list[float]  # log pi_rollout(token) after temperature, before top-p (SGLang's convention)
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "abort" (cut unfinished: continue it later)
 
     @property
     def uid(self) -> tuple[int, int]:

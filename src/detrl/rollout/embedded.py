@@ -40,6 +40,7 @@ class EmbeddedEngine:
         self.rope = rope_tables(self.model.config, ctx_len)
         self.generator = torch.Generator().manual_seed(seed)  # the shared stream (requests without a seed)
         self.batch_log: list[tuple[int, tuple[tuple[int, int], ...]]] = []  # (worker, uids) per batch run
+        self._abort = threading.Event()  # set: running batches stop at their next token, queued ones are not run
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict)
@@ -47,14 +48,22 @@ class EmbeddedEngine:
     def close(self) -> None:
         pass
 
-    def generate(self, requests: list[Request]) -> list[Result]:
-        """All requests through the workers. Fixed routing: results in request order; else completion order."""
+    def generate(self, requests: list[Request], stop_when=None) -> list[Result]:
+        """All requests through the workers. Fixed routing: results in request order; else completion order.
+
+        `stop_when(results_so_far) -> bool` (dynamic routing only) is checked as batches complete; once
+        true, running batches are cut at their next token and queued requests come back unstarted, all
+        with finish reason "abort" (an async system's cut of a partial rollout).
+        """
         self.batch_log = []
+        self._abort.clear()
         if not requests:
             return []
         if self.fixed_routing:
+            if stop_when is not None:
+                raise ValueError("stop_when needs dynamic routing; with fixed routing cut by token budget")
             return self._generate_fixed(requests)
-        return self._generate_dynamic(requests)
+        return self._generate_dynamic(requests, stop_when)
 
     def _generate_fixed(self, requests: list[Request]) -> list[Result]:
         shards: list[list[Request]] = [[] for _ in range(self.num_workers)]
@@ -70,7 +79,7 @@ class EmbeddedEngine:
         by_uid = {res.uid: res for shard in _run_threads(work, self.num_workers) for res in shard}
         return [by_uid[r.uid] for r in requests]
 
-    def _generate_dynamic(self, requests: list[Request]) -> list[Result]:
+    def _generate_dynamic(self, requests: list[Request], stop_when=None) -> list[Result]:
         inbox: queue.Queue = queue.Queue()
         done: list[Result] = []
         lock = threading.Lock()
@@ -91,9 +100,14 @@ class EmbeddedEngine:
                         inbox.put(_DONE)
                         break
                     batch.append(nxt)
-                results = self._logged_batch(w, batch)
+                if self._abort.is_set():  # cut: queued requests come back unstarted
+                    results = [Result(r, [], [], "abort") for r in batch]
+                else:
+                    results = self._logged_batch(w, batch)
                 with lock:
                     done.extend(results)  # completion order
+                    if stop_when is not None and not self._abort.is_set() and stop_when(done):
+                        self._abort.set()
 
         def feed() -> None:  # requests arrive one prompt group at a time
             group: list[Request] = []
@@ -119,50 +133,66 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def run_batch(self, requests: list[Request]) -> list[Result]:
-        """Sample a response for each request of one engine batch, in request order."""
+        """Sample (or continue) a response for each request of one engine batch, in request order.
+
+        A request with a `prefix` continues that partial response: prompt + prefix are prefilled with
+        the current weights. It may generate up to `request.max_new_tokens` tokens in this call
+        (finish "abort" when cut there unfinished), and up to `params.max_new_tokens` in all ("length").
+        """
         p = self.params
         b = len(requests)
-        lens = torch.tensor([len(r.prompt_ids) for r in requests])  # [B]
-        if int(lens.max()) + p.max_new_tokens > self.ctx_len:
-            raise ValueError(f"prompt of {int(lens.max())} tokens + {p.max_new_tokens} new > ctx_len {self.ctx_len}")
+        ctxs = [r.prompt_ids + r.prefix for r in requests]
+        lens = torch.tensor([len(c) for c in ctxs])  # [B]
+        room = [p.max_new_tokens - len(r.prefix) for r in requests]  # tokens left before "length"
+        limit = [min(m, r.max_new_tokens) if r.max_new_tokens is not None else m for m, r in zip(room, requests)]
+        if max(len(r.prompt_ids) for r in requests) + p.max_new_tokens > self.ctx_len:
+            raise ValueError(f"a prompt + {p.max_new_tokens} new tokens exceeds ctx_len {self.ctx_len}")
         prompts = torch.zeros(b, int(lens.max()), dtype=torch.long)  # right-padded [B, P]
-        for i, r in enumerate(requests):
-            prompts[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
+        for i, c in enumerate(ctxs):
+            prompts[i, : len(c)] = torch.tensor(c)
         seeded = [r.seed is not None for r in requests]
         if any(seeded) and not all(seeded):
             raise ValueError("a batch mixes seeded and unseeded requests")
         seeds = torch.tensor([r.seed for r in requests]) if all(seeded) else None
         stops = torch.tensor(p.stop_token_ids or (-1,))
+        limits = torch.tensor(limit)  # [B]
 
         cache = KVCache.empty(self.model, b, self.ctx_len)
         logits = forward(self.model, prompts, self.ops, self.ctx_len, self.rope, cache=cache)  # [B, P, V]
         last = logits[torch.arange(b), lens - 1]  # [B, V]
         pos = lens.clone()  # position of the token being sampled, per row
         tokens, logps = [], []
-        done = torch.zeros(b, dtype=torch.bool)
-        finished_at = torch.full((b,), p.max_new_tokens)
-        for t in range(p.max_new_tokens):
+        done = limits <= 0  # rows with nothing left to generate
+        stopped = torch.zeros(b, dtype=torch.bool)
+        count = torch.zeros(b, dtype=torch.long)  # tokens kept per row
+        for _ in range(max(limit)):
+            if self._abort.is_set():
+                break
             _, logp = token_logprobs(last, torch.zeros(b, dtype=torch.long), p.temperature)  # [B, V]
             vocab = logp.shape[-1]
             noise = hashed_gumbel(seeds, pos, vocab) if seeds is not None else stream_gumbel(self.generator, b, vocab)
             tok = sample(logp, noise, p.top_p)  # [B]
             tokens.append(tok)
             logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
+            count += (~done).long()
             hit = torch.isin(tok, stops) & ~done
-            finished_at[hit] = t + 1
-            done |= hit
-            if bool(done.all()) or t == p.max_new_tokens - 1:
+            stopped |= hit
+            done |= hit | (count >= limits)
+            if bool(done.all()):
                 break
             last = forward(self.model, tok[:, None], self.ops, self.ctx_len, self.rope, cache=cache,
                            positions=pos[:, None])[:, 0]
             pos = pos + 1
-        tok_mat, lp_mat = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # [B, T]
+        if tokens:
+            tok_mat, lp_mat = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # [B, T]
+        else:
+            tok_mat, lp_mat = [[] for _ in range(b)], [[] for _ in range(b)]
         out = []
         for i, r in enumerate(requests):
-            n = int(finished_at[i])
-            out.append(Result(r, tok_mat[i][:n], lp_mat[i][:n], "stop" if bool(done[i]) else "length"))
+            n = int(count[i])
+            reason = "stop" if bool(stopped[i]) else "length" if n >= room[i] else "abort"
+            out.append(Result(r, tok_mat[i][:n], lp_mat[i][:n], reason))
         return out
-
 
 def _run_threads(fn, n: int) -> list:
     """fn(i) for i in range(n) on n threads; re-raises the first worker error."""

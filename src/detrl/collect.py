@@ -1,0 +1,220 @@
+"""The rollout half of a step: requests -> engine -> rewards -> whole prompt groups -> training tensors.
+
+`collect` generates fresh groups each step; `collect_partial` keeps unfinished groups in a
+`PartialBuffer` across steps. Both take groups in the order `determinism` gives (submission order when
+on, completion order when off) and apply DAPO's dynamic sampling and overlong shaping when configured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from detrl.algos import filter_groups, overlong_penalty
+from detrl.config import TrainConfig
+from detrl.data import exact_match_reward
+from detrl.rollout import Request, Result
+from detrl.rollout.partial import Group, PartialBuffer, Sample
+from detrl.warmstart import encode
+
+PARTIAL_KEYS = ("partial/carried", "partial/restarted", "partial/staleness_mean", "partial/staleness_max",
+                "partial/buffer_groups", "response/aborted_ratio")
+
+
+@dataclass
+class StepBatch:
+    """One step's training data, in training order. N sequences, L = ctx_len."""
+
+    results: list[Result]  # full responses
+    scores: torch.Tensor  # [N] reward used for advantages (incl. shaping)
+    correct: torch.Tensor  # [N] task reward before shaping
+    group_ids: torch.Tensor  # [N] index of the prompt group
+    input_ids: torch.Tensor  # [N, L] prompt + response, left-aligned, zero-padded
+    mask: torch.Tensor  # [N, L-1] 1.0 where the next token is a response token
+    rollout_logp: torch.Tensor  # [N, L-1] the engine's logprob of that token
+    versions: torch.Tensor  # [N, L-1] policy version that sampled that token (-1 off the response)
+    gen_rounds: int = 1
+    kept_groups: int = 0
+    stats: dict[str, float] = field(default_factory=dict)  # partial-rollout metrics
+
+
+@dataclass
+class Scored:
+    results: list[Result]
+    shaped: torch.Tensor  # [n]
+    correct: torch.Tensor  # [n]
+    versions: list[list[int]] | None = None
+
+
+class GroupSource:
+    """Makes requests for new prompt groups from the task, advancing the data position."""
+
+    def __init__(self, det, task, tokenizer, cfg: TrainConfig):
+        self.det, self.task, self.tokenizer, self.cfg = det, task, tokenizer, cfg
+
+    def new(self, step: int, data_pos: int, count: int) -> list[tuple[int, str, list[Request]]]:
+        out = []
+        for i, p in enumerate(self.task.batch(data_pos, count)):
+            uid = self.det.prompt_uid(data_pos + i)
+            ids = tuple(encode(self.tokenizer, p.prompt))
+            reqs = [Request(uid, k, ids, self.det.sampling_seed(step, uid, k)) for k in range(self.cfg.rollout.n)]
+            out.append((uid, p.answer, reqs))
+        return out
+
+    def score(self, results: list[Result], answer: str) -> tuple[torch.Tensor, torch.Tensor]:
+        eos, ol = self.tokenizer.eos_token_id, self.cfg.algo.overlong
+        texts = self.tokenizer.batch_decode([[t for t in r.tokens if t != eos] for r in results],
+                                            skip_special_tokens=True)
+        correct = torch.tensor([exact_match_reward(t, answer) for t in texts])
+        shaped = correct.clone()
+        if ol.enabled:
+            lengths = torch.tensor([len(r.tokens) for r in results])
+            shaped = shaped + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, ol.buffer_len,
+                                               ol.penalty_factor)
+        return shaped, correct
+
+    def keep(self, groups: list[Scored]) -> list[Scored]:
+        """DAPO dynamic sampling: drop groups whose rewards are all equal (when enabled)."""
+        if not self.cfg.algo.dynamic_sampling.enabled:
+            return groups
+        uids = [g.results[0].request.prompt_uid for g in groups]
+        flat_s = [x for g in groups for x in g.shaped.tolist()]
+        flat_u = [u for g, u in zip(groups, uids) for _ in g.results]
+        kept = set(filter_groups(flat_s, flat_u))
+        return [g for g, u in zip(groups, uids) if u in kept]
+
+    def check_rounds(self, rounds: int, kept: int, step: int) -> None:
+        ds = self.cfg.algo.dynamic_sampling
+        if ds.enabled and ds.max_num_gen_batches and rounds > ds.max_num_gen_batches:
+            raise RuntimeError(
+                f"dynamic sampling kept {kept} of {self.cfg.train_batch_size} groups after "
+                f"algo.dynamic_sampling.max_num_gen_batches={ds.max_num_gen_batches} rounds at step {step}; "
+                "raise it, or set it to 0 for no limit"
+            )
+
+
+def collect(engine, source: GroupSource, step: int, data_pos: int, ctx_len: int) -> tuple[StepBatch, int]:
+    """Fresh groups each step; with dynamic sampling, generate rounds until enough groups have signal."""
+    cfg, det = source.cfg, source.det
+    kept: list[Scored] = []
+    rounds = 0
+    while len(kept) < cfg.train_batch_size:
+        rounds += 1
+        source.check_rounds(rounds, len(kept), step)
+        fresh = source.new(step, data_pos, cfg.train_batch_size)
+        data_pos += cfg.train_batch_size
+        requests = [r for _, _, reqs in fresh for r in reqs]
+        results = det.order(engine.generate(requests), requests)
+        answers = {uid: ans for uid, ans, _ in fresh}
+        by_group: dict[int, list[Result]] = {}  # first-seen order: submission (on) or completion (off)
+        for r in results:
+            by_group.setdefault(r.request.prompt_uid, []).append(r)
+        scored = [Scored(rs, *source.score(rs, answers[uid])) for uid, rs in by_group.items()]
+        kept += source.keep(scored)
+    batch = to_tensors(kept[: cfg.train_batch_size], ctx_len, version=step - 1)
+    batch.gen_rounds, batch.kept_groups = rounds, min(len(kept), cfg.train_batch_size)
+    batch.stats = dict.fromkeys(PARTIAL_KEYS, 0.0)  # the same keys in every run
+    return batch, data_pos
+
+
+def collect_partial(engine, source: GroupSource, buffer: PartialBuffer, step: int, data_pos: int,
+                    ctx_len: int) -> tuple[StepBatch, int]:
+    """Partial rollout: continue the buffer's unfinished samples and top it up with new groups; stop once
+    `train_batch_size` groups are complete (on: at a token-budget round boundary; off: as the first
+    groups finish); unfinished samples stay in the buffer for the next step."""
+    cfg, det = source.cfg, source.det
+    pr, need = cfg.rollout.partial, cfg.train_batch_size
+    version = step - 1  # updates applied to the weights generating now
+    restarted = buffer.restart_stale(version, pr.max_staleness)
+    carried = buffer.carried()
+    in_flight = math.ceil(need * pr.oversample)
+
+    def top_up() -> None:
+        nonlocal data_pos
+        new = max(0, in_flight - len(buffer.groups))
+        buffer.groups += [Group(uid, ans, [Sample(r) for r in reqs]) for uid, ans, reqs in source.new(step, data_pos, new)]
+        data_pos += new
+
+    ready: list[tuple[Group, Scored]] = []
+    rounds, calls, aborted = 1, 0, 0
+    top_up()
+    while True:
+        pending = buffer.pending()
+        samples = {s.request.uid: s for s in pending}
+        if det.enabled:  # deterministic cut: every pending sample advances by at most token_budget tokens
+            results = engine.generate([s.continuation(pr.token_budget) for s in pending])
+        else:  # async cut: stop when enough groups finish, wherever the other samples are
+            results = engine.generate([s.continuation(None) for s in pending],
+                                      stop_when=_groups_done(buffer, need - len(ready)))
+        calls += len(results)
+        aborted += sum(r.finish_reason == "abort" for r in results)
+        for r in results:
+            samples[r.uid].absorb(r, version)
+        complete = [g for g in buffer.groups if g.complete]  # submission order
+        if not det.enabled:  # completion order: by when each group's last sample came back
+            last = {r.request.prompt_uid: i for i, r in enumerate(results)}
+            complete.sort(key=lambda g: last.get(g.prompt_uid, -1))
+        buffer.take(complete)
+        scored = {id(g): Scored([s.as_result() for s in g.samples], *source.score([s.as_result() for s in g.samples],
+                                g.answer), [s.versions for s in g.samples]) for g in complete}
+        kept = {id(sc) for sc in source.keep(list(scored.values()))}
+        ready += [(g, scored[id(g)]) for g in complete if id(scored[id(g)]) in kept]
+        if len(ready) >= need:
+            break
+        if not buffer.pending():  # all in flight done, too few kept: another round of prompts
+            rounds += 1
+            source.check_rounds(rounds, len(ready), step)
+            top_up()
+    buffer.groups[:0] = [g for g, _ in ready[need:]]  # complete but not needed now: first in line next step
+    batch = to_tensors([sc for _, sc in ready[:need]], ctx_len, version)
+    lag = version - batch.versions[batch.mask > 0]
+    batch.gen_rounds, batch.kept_groups = rounds, need
+    batch.stats = {
+        "partial/carried": float(carried), "partial/restarted": float(restarted),
+        "partial/staleness_mean": lag.float().mean().item(), "partial/staleness_max": float(lag.max().item()),
+        "partial/buffer_groups": float(len(buffer.groups)),
+        "response/aborted_ratio": aborted / max(calls, 1),
+    }
+    return batch, data_pos
+
+
+def _groups_done(buffer: PartialBuffer, need: int):
+    """stop_when for the async cut: true once `need` more groups of the buffer are complete."""
+    groups = {g.prompt_uid: g for g in buffer.groups}
+
+    def stop(done: list[Result]) -> bool:
+        finished: dict[int, int] = {}
+        for r in done:
+            if r.finish_reason != "abort":
+                finished[r.request.prompt_uid] = finished.get(r.request.prompt_uid, 0) + 1
+        n_complete = 0
+        for uid, g in groups.items():
+            if g.complete:
+                continue
+            waiting = sum(1 for s in g.samples if s.finish is None)
+            n_complete += finished.get(uid, 0) >= waiting
+        return n_complete >= need
+
+    return stop
+
+
+def to_tensors(groups: list[Scored], ctx_len: int, version: int) -> StepBatch:
+    results = [r for g in groups for r in g.results]
+    n = len(results)
+    input_ids = torch.zeros(n, ctx_len, dtype=torch.long)
+    mask = torch.zeros(n, ctx_len - 1)
+    rollout_logp = torch.zeros(n, ctx_len - 1)
+    versions = torch.full((n, ctx_len - 1), -1, dtype=torch.long)
+    group_ids = torch.tensor([gi for gi, g in enumerate(groups) for _ in g.results])
+    token_versions = [v for g in groups for v in (g.versions or [[version] * len(r.tokens) for r in g.results])]
+    for i, r in enumerate(results):
+        p, t = len(r.request.prompt_ids), len(r.tokens)
+        input_ids[i, : p + t] = torch.tensor(r.request.prompt_ids + tuple(r.tokens))
+        mask[i, p - 1 : p - 1 + t] = 1.0
+        rollout_logp[i, p - 1 : p - 1 + t] = torch.tensor(r.logprobs)
+        versions[i, p - 1 : p - 1 + t] = torch.tensor(token_versions[i], dtype=torch.long)
+    scores = torch.cat([g.shaped for g in groups])
+    correct = torch.cat([g.correct for g in groups])
+    return StepBatch(results, scores, correct, group_ids, input_ids, mask, rollout_logp, versions)
