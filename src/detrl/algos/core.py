@@ -110,7 +110,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
         return 0.5 * (logp - ref_logp).square()
     if kind in ("low_var_kl", "k3"):
         delta = (ref_logp - logp).clamp(-20.0, 20.0)
-        return (torch.exp(delta) - delta - 1.0).clamp(-10.0, 10.0)
+        # exp(d) - d - 1 written as expm1(d) - d: in float32 the plain form rounds below 0 for tiny d
+        return (torch.expm1(delta) - delta).clamp(-10.0, 10.0)
     raise ValueError(f"kl_loss_type={kind!r} is not valid; choose one of ['kl', 'k1', 'abs', 'mse', 'k2', 'low_var_kl', 'k3']")
 
 
