@@ -1,0 +1,105 @@
+"""detrl's GRPO step vs TRL's GRPOTrainer on the same work, side by side in one process.
+
+    pip install -e '.[bench]' && python benchmarks/vs_trl.py [--steps 12] [--rounds 2]
+
+Same model (tiny dense Qwen3 from conf/model/qwen3.yaml, same seed-0 init), same prompts (8 arithmetic
+prompts per step), 4 samples each, up to 16 new tokens, GRPO without a reference model, one optimizer
+step per rollout batch, CPU. Runs alternate (detrl off, detrl on, TRL) for `--rounds` rounds; the
+first 2 steps of every run are warm-up; the table shows the median step time over the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from detrl.config import ModelConfig, register_configs, to_typed  # noqa: E402
+from detrl.data import ArithmeticTask, build_tokenizer, exact_match_reward  # noqa: E402
+from detrl.models.build import build_model  # noqa: E402
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+PROMPTS, SAMPLES, NEW_TOKENS, WARMUP = 8, 4, 16, 2
+
+
+def detrl_steps(determinism: str, steps: int, out: Path) -> list[float]:
+    from detrl.analysis import load_metrics
+    from detrl.trainer import train
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = to_typed(compose("train", overrides=[
+            f"determinism={determinism}", f"steps={steps}", f"train_batch_size={PROMPTS}", f"rollout.n={SAMPLES}",
+            f"rollout.max_new_tokens={NEW_TOKENS}", "algo.use_kl_loss=false", "model.init=random", "seed=0",
+            f"micro_batch_size={PROMPTS * SAMPLES}", "logger=none", "checkpoint.save_final=false",
+        ]))
+    train(cfg, out)
+    return [r["timing_s/step"] for r in load_metrics(out)][WARMUP:]
+
+
+def trl_steps(steps: int, out: Path) -> list[float]:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = build_tokenizer()
+    task = ArithmeticTask(0, 9, ["+"], seed=0)
+    answers = {p.prompt: p.answer for p in (task[i] for i in range(len(task)))}
+    data = Dataset.from_list([{"prompt": task[i % len(task)].prompt} for i in range(PROMPTS * steps)])
+
+    def reward(prompts, completions, **kwargs):
+        return [exact_match_reward(c, answers[p]) for p, c in zip(prompts, completions)]
+
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+    args = GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES,
+        max_completion_length=NEW_TOKENS, beta=0.0, num_iterations=1, steps_per_generation=1,
+        gradient_accumulation_steps=1, learning_rate=1e-3, max_steps=steps, use_vllm=False, use_cpu=True,
+        report_to="none", save_strategy="no", logging_steps=10_000, disable_tqdm=True, shuffle_dataset=False,
+        temperature=1.0, seed=0,
+    )
+    model = build_model(ModelConfig(), seed=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
+                          callbacks=[Timer()])
+    trainer.train()
+    return times[WARMUP:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    register_configs()
+    times: dict[str, list[float]] = {"detrl (determinism=off)": [], "detrl (determinism=on)": [], "TRL GRPOTrainer": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            times["detrl (determinism=off)"] += detrl_steps("off", args.steps, Path(tmp) / f"off{r}")
+            times["detrl (determinism=on)"] += detrl_steps("on", args.steps, Path(tmp) / f"on{r}")
+            times["TRL GRPOTrainer"] += trl_steps(args.steps, Path(tmp) / f"trl{r}")
+    trl = statistics.median(times["TRL GRPOTrainer"])
+    print(f"\n{PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, GRPO, no reference model, CPU "
+          f"({torch.get_num_threads()} threads); median of {args.rounds} x {args.steps - WARMUP} steps\n")
+    print("| trainer | median step (s) | vs TRL |\n|---|---|---|")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {name} | {med:.3f} | {med / trl:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
