@@ -36,8 +36,8 @@ class ArithmeticTask:
         ]
         random.Random(seed).shuffle(rows)
         self.dataset = Dataset.from_list(rows)
-        self._prompts = self.dataset["prompt"]
-        self._answers = self.dataset["answer"]
+        self._prompts = list(self.dataset["prompt"])  # plain lists: indexing a Dataset per item is slow
+        self._answers = list(self.dataset["answer"])
 
     def __len__(self) -> int:
         return len(self._prompts)

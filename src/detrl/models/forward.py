@@ -49,13 +49,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _attention_block(attn, x, cos, sin, positions, layer, cache, ctx_len, ops: Ops, eps: float):
+def _attention_block(attn, x, rot, mask, positions, layer, cache, ctx_len, ops: Ops, eps: float):
     b, t, _ = x.shape
     hd = attn.head_dim
     q = _rms_norm(ops.linear(x, attn.q_proj.weight).view(b, t, -1, hd), attn.q_norm.weight, eps).transpose(1, 2)
     k = _rms_norm(ops.linear(x, attn.k_proj.weight).view(b, t, -1, hd), attn.k_norm.weight, eps).transpose(1, 2)
     v = ops.linear(x, attn.v_proj.weight).view(b, t, -1, hd).transpose(1, 2)  # [B, Hkv, T, D]
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, T, D]
+    c, s = rot  # [B, 1, T, D]
     q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
     if cache is None:  # whole sequences: the keys are the sequence itself
         if t != ctx_len:
@@ -70,10 +70,7 @@ def _attention_block(attn, x, cos, sin, positions, layer, cache, ctx_len, ops: O
         cache.k[layer][:, :, :t] = k
         cache.v[layer][:, :, :t] = v
         keys, values = cache.k[layer], cache.v[layer]
-    rep = q.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)  # [B, H, L, D]
-    mask = torch.arange(ctx_len)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]
-    out = ops.attention(q, keys, values, mask, attn.scaling)  # [B, H, T, D]
+    out = ops.attention(q, keys, values, mask, attn.scaling)  # [B, H, T, D] (grouped-query: H = rep x Hkv)
     return ops.linear(out.transpose(1, 2).reshape(b, t, -1), attn.o_proj.weight)
 
 
@@ -88,8 +85,8 @@ def _mlp_block(mlp, x, ops: Ops):
 
 
 def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KVCache | None = None,
-            positions: torch.Tensor | None = None) -> torch.Tensor:
-    """tokens [B, T] -> logits [B, T, V].
+            positions: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
+    """tokens [B, T] -> logits [B, T, V] (or [B, V] at index `last` [B] of each row).
 
     cache None: whole left-aligned sequences of length ctx_len (training). With a cache: T > 1 is a
     prefill at positions 0..T-1; T == 1 is a decode step at `positions` [B, 1].
@@ -99,16 +96,25 @@ def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KV
         positions = torch.arange(t).expand(b, t)
     inner, eps = model.model, model.config.rms_norm_eps
     cos, sin = rope
+    rot = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, T, D], shared by the layers
+    mask = torch.arange(ctx_len)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]
     h = inner.embed_tokens.weight[tokens]  # [B, T, H]
     for i, layer in enumerate(inner.layers):
         h = h + _attention_block(layer.self_attn, _rms_norm(h, layer.input_layernorm.weight, eps),
-                                 cos, sin, positions, i, cache, ctx_len, ops, eps)
+                                 rot, mask, positions, i, cache, ctx_len, ops, eps)
         h = h + _mlp_block(layer.mlp, _rms_norm(h, layer.post_attention_layernorm.weight, eps), ops)
+    if last is not None:
+        h = h[torch.arange(b), last]  # [B, H]
     h = _rms_norm(h, inner.norm.weight, eps)
-    return ops.linear(h, model.lm_head.weight)  # [B, T, V]
+    return ops.linear(h, model.lm_head.weight)  # [B, T, V] or [B, V]
+
+
+def log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) [.., V]: the one definition the sampler and the trainer share."""
+    return F.log_softmax(logits.float() / temperature, dim=-1)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of `targets` under softmax(logits / T), and the full log-distribution. [.., V] -> [..]."""
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    logp = log_probs(logits, temperature)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), logp

@@ -94,11 +94,22 @@ def bi_silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q (B, H, T, D), k/v (B, H, L, D), mask (B or 1, 1, T, L) True = attend -> (B, H, T, D).
+    """q (B, H, T, D), k/v (B, Hkv, L, D), mask (B or 1, 1, T, L) True = attend -> (B, H, T, D).
 
     Always over the full key length L with masked keys at -inf, so prefill, decode and training
-    reduce over the same row. Matmuls where the gemm is row-invariant, else explicit row sums.
+    reduce over the same row. Grouped-query heads share their key/value head without a copy: the
+    rep query heads of a group are stacked as rows. Matmuls where the gemm is row-invariant, else
+    explicit row sums.
     """
+    b, h, t, d = q.shape
+    hkv, length = k.shape[1], k.shape[-2]
+    rep = h // hkv
+    q = q.reshape(b, hkv, rep * t, d)  # rows (r, t) of each kv group
+    mask = mask.unsqueeze(2).expand(mask.shape[0], 1, rep, t, length).reshape(mask.shape[0], 1, rep * t, length)
+    return _grouped_attention(q, k, v, mask, scale).reshape(b, h, t, d)
+
+
+def _grouped_attention(q, k, v, mask, scale) -> torch.Tensor:
     d, length = q.shape[-1], k.shape[-2]
     fast = _gemm_is_row_invariant(d, length, q.dtype) and _gemm_is_row_invariant(length, d, q.dtype)
     if fast:
@@ -112,7 +123,7 @@ def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,8 +4,8 @@ Like a serving engine with several replicas and dynamic batching: `generate` rou
 `num_workers` threads; each runs a KV-cache sampler over the functional Qwen3 forward on batches of up
 to `max_batch_size` requests. With `fixed_routing` (determinism on) a request's worker is a function of
 its uid and each worker batches its share in submission order. Without it (off) requests arrive one
-prompt group at a time on a shared queue, a free worker takes whatever is queued (first free, dynamic
-batch composition), and results come back in completion order.
+prompt group at a time on a shared queue, a free worker takes what arrives within a short batching
+window (first free, dynamic batch composition), and results come back in completion order.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from __future__ import annotations
 import copy
 import queue
 import threading
+import time
 
 import torch
 
-from detrl.models.forward import KVCache, forward, rope_tables, token_logprobs
+from detrl.models.forward import KVCache, forward, log_probs, rope_tables
 from detrl.models.ops import Ops
 from detrl.rollout.base import Request, Result, SamplingParams
-from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
+from detrl.rollout.sampling import hashed_gumbel, sample, seed_key, stream_gumbel
 
 _DONE = None
 
@@ -33,10 +34,12 @@ class EmbeddedEngine:
     """Holds its own copy of the policy weights (synced by `update_weights`, as a serving engine would)."""
 
     def __init__(self, model: torch.nn.Module, ops: Ops, ctx_len: int, params: SamplingParams, seed: int,
-                 num_workers: int = 1, max_batch_size: int = 64, fixed_routing: bool = True):
+                 num_workers: int = 1, max_batch_size: int = 64, fixed_routing: bool = True,
+                 batch_window_s: float = 0.002):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         self.ops, self.ctx_len, self.params = ops, ctx_len, params
         self.num_workers, self.max_batch_size, self.fixed_routing = num_workers, max_batch_size, fixed_routing
+        self.batch_window_s = batch_window_s
         self.rope = rope_tables(self.model.config, ctx_len)
         self.generator = torch.Generator().manual_seed(seed)  # the shared stream (requests without a seed)
         self.batch_log: list[tuple[int, tuple[tuple[int, int], ...]]] = []  # (worker, uids) per batch run
@@ -91,9 +94,11 @@ class EmbeddedEngine:
                     inbox.put(_DONE)  # let the other workers see it too
                     return []
                 batch = [first]
-                while len(batch) < self.max_batch_size:  # whatever has arrived, up to a full batch
+                # what arrives within the batching window, up to a full batch (a server's max queue delay)
+                deadline = time.perf_counter() + self.batch_window_s
+                while len(batch) < self.max_batch_size:
                     try:
-                        nxt = inbox.get_nowait()
+                        nxt = inbox.get(timeout=max(0.0, deadline - time.perf_counter()))
                     except queue.Empty:
                         break
                     if nxt is _DONE:
@@ -154,12 +159,12 @@ class EmbeddedEngine:
         if any(seeded) and not all(seeded):
             raise ValueError("a batch mixes seeded and unseeded requests")
         seeds = torch.tensor([r.seed for r in requests]) if all(seeded) else None
+        key = seed_key(seeds) if seeds is not None else None
         stops = torch.tensor(p.stop_token_ids or (-1,))
         limits = torch.tensor(limit)  # [B]
 
         cache = KVCache.empty(self.model, b, self.ctx_len)
-        logits = forward(self.model, prompts, self.ops, self.ctx_len, self.rope, cache=cache)  # [B, P, V]
-        last = logits[torch.arange(b), lens - 1]  # [B, V]
+        last = forward(self.model, prompts, self.ops, self.ctx_len, self.rope, cache=cache, last=lens - 1)  # [B, V]
         pos = lens.clone()  # position of the token being sampled, per row
         tokens, logps = [], []
         done = limits <= 0  # rows with nothing left to generate
@@ -168,9 +173,9 @@ class EmbeddedEngine:
         for _ in range(max(limit)):
             if self._abort.is_set():
                 break
-            _, logp = token_logprobs(last, torch.zeros(b, dtype=torch.long), p.temperature)  # [B, V]
+            logp = log_probs(last, p.temperature)  # [B, V]
             vocab = logp.shape[-1]
-            noise = hashed_gumbel(seeds, pos, vocab) if seeds is not None else stream_gumbel(self.generator, b, vocab)
+            noise = hashed_gumbel(seeds, pos, vocab, key) if seeds is not None else stream_gumbel(self.generator, b, vocab)
             tok = sample(logp, noise, p.top_p)  # [B]
             tokens.append(tok)
             logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
@@ -200,6 +205,9 @@ def _run_threads(fn, n: int) -> list:
     errors: list[BaseException] = []
 
     def target(i: int) -> None:
+        # one intra-op thread per worker: the workers are the parallelism (a new thread's own OpenMP
+        # team would otherwise oversubscribe the cores: measured 2.8x slower on 2 cores)
+        torch.set_num_threads(1)
         try:
             results[i] = fn(i)
         except BaseException as e:  # noqa: BLE001 - surfaced below

@@ -28,20 +28,36 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+def seed_key(seeds: torch.Tensor) -> torch.Tensor:
+    """A 32-bit key per 64-bit sampling seed [B] (computed once per batch)."""
+    return _mix32(_mix32(seeds & _M32) ^ _mix32((seeds >> 32) & _M32 ^ 0x9E3779B9))
+
+
+def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, key: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """U(0,1) [B, V] (float64) from (seed [B] int64, position [B] int64, vocab id)."""
-    s = _mix32(_mix32(seeds & _M32) ^ _mix32((seeds >> 32) & _M32 ^ 0x9E3779B9))  # [B]
+    s = seed_key(seeds) if key is None else key  # [B]
     h = _mix32((s + _mix32(positions & _M32)) & _M32)  # [B]
-    h = _mix32((h[:, None] + _mix32(torch.arange(vocab, dtype=torch.int64) + 0x632BE5AB)) & _M32)  # [B, V]
+    h = _mix32((h[:, None] + _vocab_key(vocab)) & _M32)  # [B, V]
     return (h.double() + 0.5) / 2.0**32
+
+
+_VOCAB_KEYS: dict[int, torch.Tensor] = {}
+
+
+def _vocab_key(vocab: int) -> torch.Tensor:
+    if vocab not in _VOCAB_KEYS:
+        _VOCAB_KEYS[vocab] = _mix32(torch.arange(vocab, dtype=torch.int64) + 0x632BE5AB)
+    return _VOCAB_KEYS[vocab]
 
 
 def gumbel(u: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def hashed_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    return gumbel(hashed_uniform(seeds, positions, vocab))
+def hashed_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, key: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    return gumbel(hashed_uniform(seeds, positions, vocab, key))
 
 
 def stream_gumbel(generator: torch.Generator, batch: int, vocab: int) -> torch.Tensor:
@@ -61,5 +77,7 @@ def top_p_mask(logp: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def sample(logp: torch.Tensor, noise: torch.Tensor, top_p: float) -> torch.Tensor:
     """argmax(logp + gumbel) over the nucleus: a draw from softmax restricted to top-p. -> [B]."""
-    scores = (logp.double() + noise).masked_fill(~top_p_mask(logp, top_p), float("-inf"))
+    scores = logp.double() + noise
+    if top_p < 1.0:
+        scores = scores.masked_fill(~top_p_mask(logp, top_p), float("-inf"))
     return scores.argmax(dim=-1)
