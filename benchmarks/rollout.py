@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from detrl.config import ModelConfig  # noqa: E402
 from detrl.data import ArithmeticTask, build_tokenizer  # noqa: E402
-from detrl.determinism import Determinism, setup  # noqa: E402
+from detrl.determinism import setup  # noqa: E402
 from detrl.rollout import EmbeddedEngine, Request, SamplingParams  # noqa: E402
 from detrl.warmstart import encode  # noqa: E402
 
@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--workers", type=int, default=2, help="engine workers (rollout.num_workers)")
     args = ap.parse_args()
     from detrl.models.build import build_model
 
@@ -43,8 +44,8 @@ def main() -> None:
 
     def engine_run(on: bool):
         det = setup(on, 0)
-        eng = EmbeddedEngine(model, det.ops, ctx, params, seed=0, num_workers=2, max_batch_size=args.batch // 2,
-                             fixed_routing=det.fixed_routing)
+        eng = EmbeddedEngine(model, det.ops, ctx, params, seed=0, num_workers=args.workers,
+                             max_batch_size=args.batch, fixed_routing=det.fixed_routing)
         reqs = [Request(det.prompt_uid(i), 0, tuple(p), det.sampling_seed(1, det.prompt_uid(i), 0))
                 for i, p in enumerate(prompts)]
         t = time.perf_counter()
@@ -79,8 +80,8 @@ def main() -> None:
             times[name].append(fn())
     base = statistics.median(times["transformers generate(do_sample=True)"])
     tokens = args.batch * args.new_tokens
-    print(f"\n{args.batch} sequences x {args.new_tokens} new tokens, CPU ({torch.get_num_threads()} threads), "
-          f"median of {args.repeats}\n")
+    print(f"\n{args.batch} sequences x {args.new_tokens} new tokens, {args.workers} engine worker(s), CPU "
+          f"({torch.get_num_threads()} threads), median of {args.repeats}\n")
     print("| sampler | median (s) | tokens/s | vs generate |\n|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)

@@ -4,7 +4,8 @@
 |---------------------|--------------------------------------------|----------------------------------------------|
 | sampling RNG        | one shared stream, in call order           | per-sample seed = hash(seed, step, uid, idx) |
 | result order        | completion order                           | submission order (data position, sample idx) |
-| routing to workers  | first free worker, dynamic batches         | uid -> worker by a fixed rule                |
+| routing to workers  | first free worker, dynamic batches         | submission order in full batches, batch j -> |
+|                     |                                            | worker j mod num_workers                     |
 | kernels             | F.linear / SDPA / F.silu / grouped MoE     | batch-invariant ops (detrl.models.ops)       |
 | MoE dispatch        | gather per expert, index_add_              | all experts, fixed ascending combine         |
 | torch               | defaults                                   | deterministic algorithms, CUBLAS workspace,  |
@@ -57,7 +58,7 @@ class Determinism:
 
     @property
     def fixed_routing(self) -> bool:
-        """on: uid -> worker by a fixed rule, batches in submission order; off: first free worker."""
+        """on: full batches in submission order, batch j -> worker j mod W; off: first free worker."""
         return self.enabled
 
     def order(self, results: list[Result], requests: list[Request]) -> list[Result]:

@@ -2,8 +2,8 @@
 
 Like a serving engine with several replicas and dynamic batching: `generate` routes requests to
 `num_workers` threads; each runs a KV-cache sampler over the functional Qwen3 forward on batches of up
-to `max_batch_size` requests. With `fixed_routing` (determinism on) a request's worker is a function of
-its uid and each worker batches its share in submission order. Without it (off) requests arrive one
+to `max_batch_size` requests. With `fixed_routing` (determinism on) the requests, in submission order,
+are cut into full batches and batch j goes to worker j mod num_workers. Without it (off) requests arrive one
 prompt group at a time on a shared queue, a free worker takes what arrives within a short batching
 window (first free, dynamic batch composition), and results come back in completion order.
 """
@@ -23,11 +23,6 @@ from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.sampling import hashed_gumbel, sample, seed_key, stream_gumbel
 
 _DONE = None
-
-
-def worker_of(request: Request, num_workers: int) -> int:
-    """The fixed routing rule: a stable function of the uid."""
-    return (request.prompt_uid * 1_000_003 + request.sample_index) % num_workers
 
 
 class EmbeddedEngine:
@@ -69,14 +64,13 @@ class EmbeddedEngine:
         return self._generate_dynamic(requests, stop_when)
 
     def _generate_fixed(self, requests: list[Request]) -> list[Result]:
-        shards: list[list[Request]] = [[] for _ in range(self.num_workers)]
-        for r in requests:
-            shards[worker_of(r, self.num_workers)].append(r)
+        # the fixed rule: requests in submission (uid) order, cut into full batches, batch j -> worker j % W
+        batches = [requests[lo : lo + self.max_batch_size] for lo in range(0, len(requests), self.max_batch_size)]
 
         def work(w: int) -> list[Result]:
             out = []
-            for lo in range(0, len(shards[w]), self.max_batch_size):
-                out += self._logged_batch(w, shards[w][lo : lo + self.max_batch_size])
+            for batch in batches[w :: self.num_workers]:
+                out += self._logged_batch(w, batch)
             return out
 
         by_uid = {res.uid: res for shard in _run_threads(work, self.num_workers) for res in shard}
