@@ -61,11 +61,9 @@ def _attention_block(attn, x, rot, mask, positions, layer, cache, ctx_len, ops: 
         if t != ctx_len:
             raise ValueError(f"sequence length {t} must equal ctx_len {ctx_len}")
         keys, values = k, v
-    elif t == 1:  # decode: each row writes its own slot
-        rows = torch.arange(b)
-        cache.k[layer][rows, :, positions[:, 0]] = k[:, :, 0]
-        cache.v[layer][rows, :, positions[:, 0]] = v[:, :, 0]
-        keys, values = cache.k[layer], cache.v[layer]
+    elif t == 1:  # decode: each row writes its own slot (scatter_: index_put_ is slow in deterministic mode)
+        slot = positions[:, None, :, None].expand(b, k.shape[1], 1, hd)  # [B, Hkv, 1, D]
+        keys, values = cache.k[layer].scatter_(2, slot, k), cache.v[layer].scatter_(2, slot, v)
     else:  # prefill from position 0
         cache.k[layer][:, :, :t] = k
         cache.v[layer][:, :, :t] = v

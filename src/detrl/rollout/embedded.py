@@ -20,7 +20,7 @@ import torch
 from detrl.models.forward import KVCache, forward, log_probs, rope_tables
 from detrl.models.ops import Ops
 from detrl.rollout.base import Request, Result, SamplingParams
-from detrl.rollout.sampling import hashed_gumbel, sample, seed_key, stream_gumbel
+from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
 
 _DONE = None
 
@@ -153,23 +153,25 @@ class EmbeddedEngine:
         if any(seeded) and not all(seeded):
             raise ValueError("a batch mixes seeded and unseeded requests")
         seeds = torch.tensor([r.seed for r in requests]) if all(seeded) else None
-        key = seed_key(seeds) if seeds is not None else None
         stops = torch.tensor(p.stop_token_ids or (-1,))
         limits = torch.tensor(limit)  # [B]
 
         cache = KVCache.empty(self.model, b, self.ctx_len)
         last = forward(self.model, prompts, self.ops, self.ctx_len, self.rope, cache=cache, last=lens - 1)  # [B, V]
         pos = lens.clone()  # position of the token being sampled, per row
+        vocab = self.model.config.vocab_size
+        if seeds is not None:  # every step's noise at once: it depends on (seed, position, vocab id) only
+            steps = torch.arange(max(max(limit), 1))
+            noise_all = hashed_gumbel(seeds, lens[:, None] + steps[None, :], vocab)  # [B, T, V]
         tokens, logps = [], []
         done = limits <= 0  # rows with nothing left to generate
         stopped = torch.zeros(b, dtype=torch.bool)
         count = torch.zeros(b, dtype=torch.long)  # tokens kept per row
-        for _ in range(max(limit)):
+        for t in range(max(limit)):
             if self._abort.is_set():
                 break
             logp = log_probs(last, p.temperature)  # [B, V]
-            vocab = logp.shape[-1]
-            noise = hashed_gumbel(seeds, pos, vocab, key) if seeds is not None else stream_gumbel(self.generator, b, vocab)
+            noise = noise_all[:, t] if seeds is not None else stream_gumbel(self.generator, b, vocab)
             tok = sample(logp, noise, p.top_p)  # [B]
             tokens.append(tok)
             logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))

@@ -35,10 +35,12 @@ def seed_key(seeds: torch.Tensor) -> torch.Tensor:
 
 def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, key: torch.Tensor | None = None
                    ) -> torch.Tensor:
-    """U(0,1) [B, V] (float64) from (seed [B] int64, position [B] int64, vocab id)."""
+    """U(0,1) [B, (T,) V] (float64) from (seed [B] int64, position [B] or [B, T] int64, vocab id)."""
     s = seed_key(seeds) if key is None else key  # [B]
-    h = _mix32((s + _mix32(positions & _M32)) & _M32)  # [B]
-    h = _mix32((h[:, None] + _vocab_key(vocab)) & _M32)  # [B, V]
+    if positions.dim() == 2:
+        s = s[:, None]  # [B, 1]
+    h = _mix32((s + _mix32(positions & _M32)) & _M32)  # [B] or [B, T]
+    h = _mix32((h[..., None] + _vocab_key(vocab)) & _M32)  # [B, (T,) V]
     return (h.double() + 0.5) / 2.0**32
 
 
