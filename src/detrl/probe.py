@@ -20,8 +20,7 @@ import hydra
 from omegaconf import DictConfig
 
 from detrl.config import ConfigError, TrainConfig, register_configs, to_typed
-from detrl.data import ArithmeticTask, build_tokenizer
-from detrl.rollout import EmbeddedEngine, Request, SamplingParams
+from detrl.rollout import EmbeddedEngine, Request
 
 MODES = ("single", "mixed", "prefix")
 
@@ -46,17 +45,11 @@ def _batches(mode: str, target: Request, pool: list[tuple[int, ...]], trials: in
 
 def probe(cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, seeded: bool | None = None):
     """-> {mode: (max distinct token outputs, max distinct logprob patterns)} over the targets."""
-    from detrl import determinism as det_mod
-    from detrl.trainer import context_length, load_policy
+    from detrl.determinism import stable_hash
+    from detrl.trainer import build
     from detrl.warmstart import encode
 
-    det = det_mod.setup(cfg.determinism.enabled, cfg.seed)
-    tokenizer = build_tokenizer()
-    task = ArithmeticTask(cfg.data.min_operand, cfg.data.max_operand, list(cfg.data.ops), seed=cfg.seed)
-    r = cfg.rollout
-    ctx_len = context_length(task, tokenizer, r.max_new_tokens)
-    model = load_policy(cfg, tokenizer, task, ctx_len)
-    params = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, (tokenizer.eos_token_id,))
+    det, tokenizer, task, ctx_len, model, params = build(cfg)
     engine = EmbeddedEngine(model, det.ops, ctx_len, params, seed=cfg.seed, num_workers=1,
                             max_batch_size=max_bs, fixed_routing=det.fixed_routing)
     pool = [tuple(encode(tokenizer, task[i].prompt)) for i in range(len(task))]
@@ -67,7 +60,7 @@ def probe(cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, see
         worst = (0, 0)
         for j in range(targets):
             uid = det.prompt_uid(j)
-            target = Request(uid * 1000, 0, pool[j], det_mod.stable_hash("probe", cfg.seed, j) if use_seed else None)
+            target = Request(uid * 1000, 0, pool[j], stable_hash("probe", cfg.seed, j) if use_seed else None)
             outs = []
             for batch, pos in _batches(mode, target, pool, trials, max_bs, rng):
                 res = engine.run_batch(batch)[pos]

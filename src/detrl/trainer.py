@@ -148,6 +148,20 @@ def rollout_metrics(batch: StepBatch, adv: torch.Tensor, max_new: int) -> dict[s
     }
 
 
+def build(cfg: TrainConfig):
+    """Seed, then the pieces every entrypoint needs: (determinism, tokenizer, task, ctx_len, policy, sampling)."""
+    det = det_mod.setup(cfg.determinism.enabled, cfg.seed)
+    tokenizer = build_tokenizer()
+    task = ArithmeticTask(cfg.data.min_operand, cfg.data.max_operand, list(cfg.data.ops), seed=cfg.seed)
+    r = cfg.rollout
+    ctx_len = context_length(task, tokenizer, r.max_new_tokens)
+    model = load_policy(cfg, tokenizer, task, ctx_len)
+    if model.config.vocab_size < len(tokenizer):
+        raise ValueError(f"model vocab_size={model.config.vocab_size} < tokenizer size {len(tokenizer)}")
+    sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, (tokenizer.eos_token_id,))
+    return det, tokenizer, task, ctx_len, model, sampling
+
+
 def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, float]:
     run_dir = Path(run_dir)
     config = dataclasses.asdict(cfg)
@@ -158,18 +172,11 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     (run_dir / "summary.json").unlink(missing_ok=True)  # this run is not complete until it says so again
     OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
     # --- seed and build
-    det = det_mod.setup(cfg.determinism.enabled, cfg.seed)
-    tokenizer = build_tokenizer()
-    task = ArithmeticTask(cfg.data.min_operand, cfg.data.max_operand, list(cfg.data.ops), seed=cfg.seed)
+    det, tokenizer, task, ctx_len, model, sampling = build(cfg)
     r = cfg.rollout
-    ctx_len = context_length(task, tokenizer, r.max_new_tokens)
-    model = load_policy(cfg, tokenizer, task, ctx_len)
-    if model.config.vocab_size < len(tokenizer):
-        raise ValueError(f"model vocab_size={model.config.vocab_size} < tokenizer size {len(tokenizer)}")
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.use_kl_loss else None
     model.train()
     rope = rope_tables(model.config, ctx_len)
-    sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, (tokenizer.eos_token_id,))
     engine = EmbeddedEngine(model, det.ops, ctx_len, sampling, seed=cfg.seed, num_workers=r.num_workers,
                             max_batch_size=r.max_batch_size, fixed_routing=det.fixed_routing)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
