@@ -108,7 +108,7 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
         # trainer vs rollout on the tokens the current weights sampled: exactly 0 is true on-policy
         d = (logp.detach() - batch.rollout_logp[sl])[fresh > 0]
         diffs.append(d.abs())
-        k3s.append(torch.exp(-d) + d - 1.0)
+        k3s.append(torch.expm1(-d) + d)  # k3 of the rollout policy against the trainer's
         pdiffs.append((logp.detach().exp() - batch.rollout_logp[sl].exp())[fresh > 0].abs())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
@@ -124,7 +124,7 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
     }
 
 
-def rollout_metrics(batch: StepBatch, adv: torch.Tensor, max_new: int) -> dict[str, float | str]:
+def rollout_metrics(batch: StepBatch, adv: torch.Tensor) -> dict[str, float | str]:
     lengths = torch.tensor([len(r.tokens) for r in batch.results], dtype=torch.float32)
     return {
         "critic/score/mean": batch.correct.mean().item(),
@@ -208,7 +208,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             metrics = update(model, ref_model, opt, batch, adv, cfg, det.ops, ctx_len, rope, version=step - 1)
             engine.update_weights(model.state_dict())
             # --- log
-            metrics.update(rollout_metrics(batch, adv, r.max_new_tokens))
+            metrics.update(rollout_metrics(batch, adv))
             metrics.update(batch.stats)
             metrics["fp/params"] = params_digest(model)
             metrics["timing_s/rollout"] = t_rollout
