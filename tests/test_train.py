@@ -101,8 +101,10 @@ def test_stale_token_handling_modes_train(tmp_path, mode):
     assert len(rows) == 4 and max(r["partial/staleness_max"] for r in rows) >= 1
 
 
-def test_partial_rollout_off_runs_with_the_async_cut(tmp_path):
-    rows = run_tiny(tmp_path, "rollout.partial.enabled=true", "determinism=off", "rollout.max_batch_size=4")
+@pytest.mark.parametrize("cut", ["groups", "time"])
+def test_partial_rollout_off_runs_with_the_async_cut(tmp_path, cut):
+    rows = run_tiny(tmp_path, "rollout.partial.enabled=true", "determinism=off", "rollout.max_batch_size=4",
+                    f"rollout.partial.off_cut={cut}", "rollout.partial.time_budget_s=0.001")
     assert len(rows) == 3 and all(r["dapo/kept_groups"] == 8 for r in rows)
 
 

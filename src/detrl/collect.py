@@ -8,6 +8,7 @@ on, completion order when off) and apply DAPO's dynamic sampling and overlong sh
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -145,9 +146,12 @@ def collect_partial(engine, source: GroupSource, buffer: PartialBuffer, step: in
         samples = {s.request.uid: s for s in pending}
         if det.enabled:  # deterministic cut: every pending sample advances by at most token_budget tokens
             results = engine.generate([s.continuation(pr.token_budget) for s in pending])
-        else:  # async cut: stop when enough groups finish, wherever the other samples are
-            results = engine.generate([s.continuation(None) for s in pending],
-                                      stop_when=_groups_done(buffer, need - len(ready)))
+        else:  # async cut: when enough groups finish, or at a wall-clock budget, wherever the others are
+            if pr.off_cut == "time":
+                stop = _time_up(time.perf_counter() + pr.time_budget_s)
+            else:
+                stop = _groups_done(buffer, need - len(ready))
+            results = engine.generate([s.continuation(None) for s in pending], stop_when=stop)
         calls += len(results)
         aborted += sum(r.finish_reason == "abort" for r in results)
         for r in results:
@@ -178,6 +182,11 @@ def collect_partial(engine, source: GroupSource, buffer: PartialBuffer, step: in
         "response/aborted_ratio": aborted / max(calls, 1),
     }
     return batch, data_pos
+
+
+def _time_up(deadline: float):
+    """stop_when for the wall-clock cut."""
+    return lambda done: time.perf_counter() >= deadline
 
 
 def _groups_done(buffer: PartialBuffer, need: int):

@@ -94,6 +94,8 @@ class PartialRolloutConfig:
     oversample: float = 1.5  # prompt groups in flight per step, as a multiple of train_batch_size
     max_staleness: int = 2  # an unfinished sample whose oldest token is older than this many versions restarts
     stale_tokens: str = "keep"  # keep (importance ratio vs the behaviour logprobs) | mask | rescore
+    off_cut: str = "groups"  # determinism off: cut when the first groups finish (groups) or at a wall-clock budget (time)
+    time_budget_s: float = 0.05  # off_cut=time: seconds of generation per call before the cut
 
 
 @dataclass
@@ -221,6 +223,8 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.partial.oversample >= 1.0, "rollout.partial.oversample", r.partial.oversample, "must be >= 1")
     _check(r.partial.max_staleness >= 0, "rollout.partial.max_staleness", r.partial.max_staleness, "must be >= 0")
     _choice("rollout.partial.stale_tokens", r.partial.stale_tokens, ("keep", "mask", "rescore"))
+    _choice("rollout.partial.off_cut", r.partial.off_cut, ("groups", "time"))
+    _check(r.partial.time_budget_s > 0, "rollout.partial.time_budget_s", r.partial.time_budget_s, "must be > 0")
     _choice("data.name", cfg.data.name, ("arithmetic",))
     _check(set(cfg.data.ops) <= {"+", "-", "*"} and len(cfg.data.ops) > 0, "data.ops", list(cfg.data.ops),
            "choose a non-empty subset of ['+', '-', '*']")
