@@ -11,7 +11,7 @@ help:  ## list the targets
 install:  ## install detrl (editable) with its test tools
 	$(PYTHON) -m pip install -q "$(TORCH)" -e ".[test]"
 
-train: install  ## set up, then train the default: tiny Qwen3, GRPO, determinism on, CPU (~30 s)
+train: install  ## set up, then train the default: tiny Qwen3, GRPO, determinism on, CPU (~20 s)
 	$(PYTHON) train.py
 
 test: install  ## set up, then run the test suite (CPU; GPU-only tests skip)
