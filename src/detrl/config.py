@@ -99,8 +99,15 @@ class PartialRolloutConfig:
 
 
 @dataclass
+class SGLangConfig:
+    urls: list[str] = field(default_factory=list)  # attach to running servers (SGLang or python -m detrl.serve)
+    timeout_s: float = 120.0
+    retries: int = 3
+
+
+@dataclass
 class RolloutConfig:
-    backend: str = "embedded"
+    backend: str = "embedded"  # embedded | sglang
     n: int = 8  # samples per prompt (the GRPO group size)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -108,6 +115,7 @@ class RolloutConfig:
     num_workers: int = 2  # concurrent engine workers (threads), each batching what is routed to it
     max_batch_size: int = 64  # requests per engine batch
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
 @dataclass
@@ -169,7 +177,7 @@ MODEL_NAMES = ("qwen3", "qwen3_moe")
 ALGO_NAMES = ("grpo", "dapo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-ROLLOUT_BACKENDS = ("embedded",)
+ROLLOUT_BACKENDS = ("embedded", "sglang")
 LOGGER_BACKENDS = ("wandb", "none")
 MODEL_INITS = ("warmstart", "random")
 
@@ -213,6 +221,12 @@ def validate(cfg: TrainConfig) -> None:
            a.dynamic_sampling.max_num_gen_batches, "must be >= 0 (0 = no limit)")
     _check(cfg.determinism.name in ("on", "off"), "determinism", cfg.determinism.name, "choose one of ['on', 'off']")
     _choice("rollout.backend", r.backend, ROLLOUT_BACKENDS)
+    if r.backend == "sglang":
+        _check(bool(r.sglang.urls), "rollout.sglang.urls", list(r.sglang.urls),
+               "launching SGLang servers is not built yet (it needs `pip install -e '.[sglang]'` on a GPU machine); "
+               "attach to running servers with rollout.sglang.urls=[http://host:port]")
+        _check(not (r.partial.enabled and cfg.determinism.name == "off"), "rollout.partial.enabled",
+               r.partial.enabled, "with rollout=sglang the partial-rollout cut is the token budget: use determinism=on")
     _check(r.n >= 1, "rollout.n", r.n, "must be >= 1")
     _check(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0")
     _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")

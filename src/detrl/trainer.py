@@ -162,6 +162,20 @@ def build(cfg: TrainConfig):
     return det, tokenizer, task, ctx_len, model, sampling
 
 
+def make_engine(cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingParams):
+    """The rollout engine of `rollout.backend`, holding the current policy weights."""
+    r = cfg.rollout
+    if r.backend == "sglang":
+        from detrl.rollout.sglang import SGLangEngine
+
+        engine = SGLangEngine(list(r.sglang.urls), sampling, det.fixed_routing, r.max_batch_size,
+                              timeout_s=r.sglang.timeout_s, retries=r.sglang.retries)
+        engine.update_weights(model.state_dict())  # the servers start from the policy
+        return engine
+    return EmbeddedEngine(model, det.ops, ctx_len, sampling, seed=cfg.seed, num_workers=r.num_workers,
+                          max_batch_size=r.max_batch_size, fixed_routing=det.fixed_routing)
+
+
 def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, float]:
     run_dir = Path(run_dir)
     config = dataclasses.asdict(cfg)
@@ -177,8 +191,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.use_kl_loss else None
     model.train()
     rope = rope_tables(model.config, ctx_len)
-    engine = EmbeddedEngine(model, det.ops, ctx_len, sampling, seed=cfg.seed, num_workers=r.num_workers,
-                            max_batch_size=r.max_batch_size, fixed_routing=det.fixed_routing)
+    engine = make_engine(cfg, model, det, ctx_len, sampling)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     tags = [f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={cfg.determinism.name}",
             f"partial={cfg.rollout.partial.enabled}", f"repeat={cfg.repeat}"]

@@ -1,0 +1,85 @@
+"""rollout=sglang against `python -m detrl.serve`, a real HTTP server speaking SGLang's protocol."""
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from detrl.rollout.base import Request, SamplingParams
+from detrl.rollout.sglang import ServerError, SGLangEngine
+from tests.conftest import ROOT, run_tiny
+
+FP = ["fp/rollout_tokens", "fp/rollout_logprobs", "fp/batch_order", "fp/params"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """Two deterministic servers (ctx_len 16 = the default task's) on loopback."""
+    procs, urls = [], []
+    for _ in range(2):
+        port = _free_port()
+        procs.append(subprocess.Popen([sys.executable, "-m", "detrl.serve", "--deterministic", "--ctx-len", "16",
+                                       "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        urls.append(f"http://127.0.0.1:{port}")
+    deadline = time.time() + 120
+    for url in urls:
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/health_generate", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+    yield urls
+    for p in procs:
+        p.terminate()
+        p.wait(timeout=30)
+
+
+def test_protocol_shapes(servers):
+    body = {"input_ids": [[1, 5, 11], [1, 6]], "return_logprob": True, "rid": ["a", "b"],
+            "sampling_params": [{"max_new_tokens": 3, "sampling_seed": 7, "stop_token_ids": [2]},
+                                {"max_new_tokens": 2, "sampling_seed": 8, "stop_token_ids": [2]}]}
+    out = httpx.post(f"{servers[0]}/generate", json=body, timeout=30).json()
+    assert [o["meta_info"]["id"] for o in out] == ["a", "b"]
+    for o, cap in zip(out, (3, 2)):
+        m = o["meta_info"]
+        assert m["finish_reason"]["type"] in ("stop", "length") and 1 <= m["completion_tokens"] <= cap
+        assert [t for _, t, _ in m["output_token_logprobs"]] == o["output_ids"]
+        assert all(lp <= 0 for lp, _, _ in m["output_token_logprobs"])
+    again = httpx.post(f"{servers[0]}/generate", json=body, timeout=30).json()
+    assert again == out  # same seeds, deterministic server: same bits
+    assert httpx.get(f"{servers[0]}/get_model_info").json()["is_generation"] is True
+    assert httpx.post(f"{servers[0]}/flush_cache").status_code == 200
+
+
+@pytest.mark.parametrize("extra", [[], ["rollout.partial.enabled=true"]], ids=["plain", "partial"])
+def test_training_against_servers_equals_the_embedded_engine_bitwise(tmp_path, servers, extra):
+    urls = "[" + ",".join(servers) + "]"
+    remote = run_tiny(tmp_path / "remote", "rollout=sglang", f"rollout.sglang.urls={urls}",
+                      "rollout.max_batch_size=8", *extra)
+    local = run_tiny(tmp_path / "local", "rollout.max_batch_size=8", *extra)
+    assert [[r[k] for k in FP] for r in remote] == [[r[k] for k in FP] for r in local]
+    assert all(r["mismatch/train_rollout_logprob_abs_diff_max"] == 0.0 for r in remote)
+
+
+def test_a_dead_server_is_named_in_one_error():
+    port = _free_port()  # nothing listens there
+    with pytest.raises(ServerError, match=f"127.0.0.1:{port}"):
+        SGLangEngine([f"http://127.0.0.1:{port}"], SamplingParams(), True, health_timeout_s=1)
+
+
+def test_retries_then_names_the_server(servers):
+    eng = SGLangEngine(servers[:1], SamplingParams(max_new_tokens=2), True, retries=1, backoff_s=0.01)
+    eng.urls = ["http://127.0.0.1:1"]  # the server went away mid-run
+    with pytest.raises(ServerError, match="127.0.0.1:1 failed 2 times"):
+        eng.generate([Request(0, 0, (1, 5), 3)])
