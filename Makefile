@@ -3,19 +3,24 @@ PYTHON ?= python
 # the CPU build of torch that this project is tested with; override on GPU machines (TORCH="torch")
 TORCH ?= torch==2.13.0
 
-.PHONY: help install train test lint format matrix
+.PHONY: help install install-test train test lint format matrix
 
 help:  ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
 
-install:  ## install detrl (editable) with its test tools
-	$(PYTHON) -m pip install -q "$(TORCH)" -e ".[test]"
+install:  ## install detrl (editable)
+	$(PYTHON) -m pip install -q "$(TORCH)" -e .
+
+install-test: install  ## install the test tools, and SGLang's classes for the contract tests (never its dependencies)
+	$(PYTHON) -m pip install -q -e ".[test]"
+	$(PYTHON) -m pip install -q --no-deps "sglang==0.5.23" "triton==3.9.0"
+	$(PYTHON) -m pip install -q pybase64 msgspec aiohttp
 
 train: install  ## set up, then train the default: tiny Qwen3, GRPO, determinism on, CPU (~20 s)
 	$(PYTHON) train.py
 
-test: install  ## set up, then run the test suite (CPU; GPU-only tests skip)
-	$(PYTHON) -m pytest -q
+test: install-test  ## set up, then run the test suite (CPU; GPU-only tests skip)
+	DETRL_REQUIRE_SGLANG=1 $(PYTHON) -m pytest -q
 
 lint:  ## ruff
 	$(PYTHON) -m ruff check src tests train.py benchmarks

@@ -83,3 +83,12 @@ def test_retries_then_names_the_server(servers):
     eng.urls = ["http://127.0.0.1:1"]  # the server went away mid-run
     with pytest.raises(ServerError, match="127.0.0.1:1 failed 2 times"):
         eng.generate([Request(0, 0, (1, 5), 3)])
+
+
+def test_launching_without_sglang_says_how_to_install(monkeypatch):
+    from detrl.config import ConfigError
+    from detrl.rollout.sglang_launch import sglang_version
+
+    monkeypatch.setitem(sys.modules, "sglang", None)  # as on a machine without it
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[sglang\]'.*rollout\.sglang\.urls"):
+        sglang_version()

@@ -45,11 +45,16 @@ def main_task(cfg: DictConfig) -> dict:
     from detrl.trainer import train  # heavy imports after validation
 
     group = wandb_group(hc.mode == RunMode.MULTIRUN, hc.sweep.dir, typed.experiment)
+    from detrl.rollout.sglang import ServerError
+
     try:
         summary = train(typed, run_dir, group=group)
     except ConfigError as e:  # e.g. a refused resume: one line, and what was logged stays as it was
         print(f"detrl: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
+    except ServerError as e:  # a rollout server died: named in one line; logged steps and checkpoints stay
+        print(f"detrl: {str(e).splitlines()[0]} (run dir {run_dir})", file=sys.stderr)
+        sys.exit(1)
     if summary:
         print(f"reward: first {summary['reward/first']:.3f} -> last {summary['reward/last']:.3f} "
               f"over {summary['steps']} steps; run dir {run_dir}")

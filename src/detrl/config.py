@@ -101,6 +101,13 @@ class PartialRolloutConfig:
 @dataclass
 class SGLangConfig:
     urls: list[str] = field(default_factory=list)  # attach to running servers (SGLang or python -m detrl.serve)
+    num_servers: int = 1  # servers to launch when urls is empty
+    gpu_ids: list[list[int]] = field(default_factory=list)  # per server (CUDA_VISIBLE_DEVICES); [] = inherit
+    tp_size: int = 1
+    port: int = 30000  # first port; server i listens on port + i
+    attention_backend: str = "fa3"  # with determinism on: fa3 (Hopper), flashinfer or triton
+    rl_on_policy_target: bool = False  # adds --rl-on-policy-target fsdp (checked against the installed SGLang)
+    health_timeout_s: float = 600.0
     timeout_s: float = 120.0
     retries: int = 3
 
@@ -222,9 +229,8 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.determinism.name in ("on", "off"), "determinism", cfg.determinism.name, "choose one of ['on', 'off']")
     _choice("rollout.backend", r.backend, ROLLOUT_BACKENDS)
     if r.backend == "sglang":
-        _check(bool(r.sglang.urls), "rollout.sglang.urls", list(r.sglang.urls),
-               "launching SGLang servers is not built yet (it needs `pip install -e '.[sglang]'` on a GPU machine); "
-               "attach to running servers with rollout.sglang.urls=[http://host:port]")
+        _check(r.sglang.num_servers >= 1, "rollout.sglang.num_servers", r.sglang.num_servers, "must be >= 1")
+        _choice("rollout.sglang.attention_backend", r.sglang.attention_backend, ("fa3", "flashinfer", "triton"))
         _check(not (r.partial.enabled and cfg.determinism.name == "off"), "rollout.partial.enabled",
                r.partial.enabled, "with rollout=sglang the partial-rollout cut is the token budget: use determinism=on")
     _check(r.n >= 1, "rollout.n", r.n, "must be >= 1")

@@ -6,6 +6,7 @@ Read top to bottom in `train`. The math lives in `detrl.algos`; what determinism
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import json
@@ -162,14 +163,28 @@ def build(cfg: TrainConfig):
     return det, tokenizer, task, ctx_len, model, sampling
 
 
-def make_engine(cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingParams):
+def make_engine(cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingParams, tokenizer, run_dir: Path):
     """The rollout engine of `rollout.backend`, holding the current policy weights."""
     r = cfg.rollout
     if r.backend == "sglang":
         from detrl.rollout.sglang import SGLangEngine
+        from detrl.rollout.sglang_launch import launch, server_argv, sglang_version
 
-        engine = SGLangEngine(list(r.sglang.urls), sampling, det.fixed_routing, r.max_batch_size,
-                              timeout_s=r.sglang.timeout_s, retries=r.sglang.retries)
+        s, urls, procs = r.sglang, list(r.sglang.urls), []
+        if not urls:  # launch our own servers from the current policy
+            sglang_version()  # one line telling how to install it, if it is not
+            init = run_dir / "sglang-init"
+            model.save_pretrained(init)
+            tokenizer.save_pretrained(init)
+            for i in range(s.num_servers):
+                argv = server_argv(str(init), s.port + i, cfg.seed, det.enabled, s.attention_backend, s.tp_size,
+                                   s.rl_on_policy_target)
+                procs.append(launch(argv, run_dir / f"sglang-{i}.log", s.gpu_ids[i] if i < len(s.gpu_ids) else None))
+                urls.append(f"http://127.0.0.1:{s.port + i}")
+        if procs:
+            atexit.register(lambda: [p.terminate() for p in procs if p.poll() is None])  # even if we crash early
+        engine = SGLangEngine(urls, sampling, det.fixed_routing, r.max_batch_size, timeout_s=s.timeout_s,
+                              retries=s.retries, health_timeout_s=s.health_timeout_s, procs=procs)
         engine.update_weights(model.state_dict())  # the servers start from the policy
         return engine
     return EmbeddedEngine(model, det.ops, ctx_len, sampling, seed=cfg.seed, num_workers=r.num_workers,
@@ -191,7 +206,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.use_kl_loss else None
     model.train()
     rope = rope_tables(model.config, ctx_len)
-    engine = make_engine(cfg, model, det, ctx_len, sampling)
+    engine = make_engine(cfg, model, det, ctx_len, sampling, tokenizer, run_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     tags = [f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={cfg.determinism.name}",
             f"partial={cfg.rollout.partial.enabled}", f"repeat={cfg.repeat}"]

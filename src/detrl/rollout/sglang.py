@@ -27,9 +27,11 @@ class ServerError(RuntimeError):
 
 class SGLangEngine:
     def __init__(self, urls: list[str], params: SamplingParams, fixed_routing: bool, max_batch_size: int = 64,
-                 timeout_s: float = 120.0, retries: int = 3, backoff_s: float = 0.5, health_timeout_s: float = 60.0):
+                 timeout_s: float = 120.0, retries: int = 3, backoff_s: float = 0.5, health_timeout_s: float = 60.0,
+                 procs: list | None = None):
         if not urls:
             raise ValueError("rollout.sglang.urls is empty")
+        self.procs = list(procs or [])  # servers we launched: shut down by close()
         self.urls = [u.rstrip("/") for u in urls]
         self.params, self.fixed_routing, self.max_batch_size = params, fixed_routing, max_batch_size
         self.retries, self.backoff_s = retries, backoff_s
@@ -37,8 +39,12 @@ class SGLangEngine:
         self.generator = torch.Generator()  # no shared stream on this side: kept for the checkpoint format
         self._weights_dir = Path(tempfile.mkdtemp(prefix="detrl-weights-"))
         self._version = 0
-        for url in self.urls:
-            self._wait_healthy(url, health_timeout_s)
+        try:
+            for url in self.urls:
+                self._wait_healthy(url, health_timeout_s)
+        except BaseException:
+            self.close()
+            raise
 
     def _wait_healthy(self, url: str, timeout_s: float) -> None:
         deadline = time.time() + timeout_s
@@ -49,6 +55,8 @@ class SGLangEngine:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+            if any(p.poll() is not None for p in self.procs):
+                raise ServerError(f"rollout server {url} exited while starting (see its sglang-*.log in the run dir)")
         raise ServerError(f"rollout server {url} is not healthy after {timeout_s:.0f} s (/health_generate)")
 
     def _call(self, method: str, url: str, path: str, **kw):
@@ -115,4 +123,13 @@ class SGLangEngine:
             self._call("POST", url, "/flush_cache")
 
     def close(self) -> None:
+        """Also on errors and Ctrl-C (the trainer calls it in `finally`): stop the servers we launched."""
         self.client.close()
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except Exception:  # noqa: BLE001
+                p.kill()

@@ -1,0 +1,73 @@
+"""Launch SGLang servers for `rollout=sglang`, with every argument checked by the installed SGLang first.
+
+The launch arguments are parsed and resolved with SGLang's own `ServerArgs` before any process starts: an
+argument the installed version lacks fails at once with one line naming it and the SGLang version (the
+seed PR's review asked for exactly this about `--rl-on-policy-target`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from detrl.config import ConfigError
+
+INSTALL_HINT = ("rollout=sglang needs SGLang to launch servers: on a GPU machine `pip install -e '.[sglang]'`; "
+                "or attach to running servers with rollout.sglang.urls=[http://host:port]")
+
+
+def server_argv(model_path: str, port: int, seed: int, deterministic: bool, attention_backend: str,
+                tp_size: int = 1, rl_on_policy_target: bool = False, extra: list[str] | None = None) -> list[str]:
+    """`python -m sglang.launch_server` arguments for one server; `deterministic` adds SGLang's own switch."""
+    argv = ["--model-path", model_path, "--port", str(port), "--random-seed", str(seed), "--tp-size", str(tp_size)]
+    if deterministic:
+        argv += ["--enable-deterministic-inference", "--attention-backend", attention_backend]
+        if rl_on_policy_target:
+            argv += ["--rl-on-policy-target", "fsdp"]
+    return argv + list(extra or [])
+
+
+def sglang_version() -> str:
+    try:
+        import sglang
+    except ImportError as e:
+        raise ConfigError(INSTALL_HINT) from e
+    return sglang.__version__
+
+
+def check_server_args(argv: list[str]):
+    """Parse and resolve `argv` with the installed SGLang's ServerArgs -> the resolved ServerArgs."""
+    version = sglang_version()
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="sglang.launch_server", exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args, unknown = parser.parse_known_args(argv)
+    except (argparse.ArgumentError, SystemExit) as e:
+        msg = err.getvalue().strip().splitlines()[-1:] or [str(e)]
+        raise ConfigError(f"SGLang {version} rejects the launch arguments: {msg[0]}") from e
+    if unknown:
+        raise ConfigError(f"SGLang {version} has no server argument {unknown[0]!r} (from {' '.join(unknown)})")
+    try:
+        return ServerArgs.from_cli_args(args)
+    except Exception as e:  # noqa: BLE001 - SGLang's own validation, reported in one line
+        raise ConfigError(f"SGLang {version} refuses the launch arguments: {str(e).splitlines()[0]}") from e
+
+
+def launch(argv: list[str], log_path: Path, gpu_ids: list[int] | None = None) -> subprocess.Popen:
+    """Start one server (after check_server_args), its output streamed to `log_path`."""
+    check_server_args(argv)
+    env = dict(os.environ)
+    if gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+    log = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+    return subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *argv], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)

@@ -1,0 +1,54 @@
+"""Contract tests against SGLang's own classes (installed with --no-deps: ServerArgs and SamplingParams)."""
+
+import os
+
+import pytest
+
+from detrl.config import ConfigError
+from detrl.rollout.base import Request, SamplingParams
+from detrl.rollout.sglang import SGLangEngine
+from detrl.rollout.sglang_launch import check_server_args, server_argv
+
+if os.environ.get("DETRL_REQUIRE_SGLANG"):  # `make test` (and so CI) installs SGLang's classes: they must run
+    import sglang
+else:
+    sglang = pytest.importorskip("sglang", reason="SGLang's classes are installed by `make test` (--no-deps)")
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["on", "off"])
+def test_our_launch_arguments_parse_and_resolve_with_sglang(deterministic):
+    argv = server_argv("/models/tiny", 30010, seed=7, deterministic=deterministic, attention_backend="triton",
+                       rl_on_policy_target=deterministic)
+    sa = check_server_args(argv)
+    assert sa.model_path == "/models/tiny" and sa.port == 30010 and sa.random_seed == 7
+    assert bool(sa.enable_deterministic_inference) == deterministic
+    if deterministic:
+        assert sa.attention_backend == "triton" and sa.rl_on_policy_target == "fsdp"
+
+
+def test_an_argument_the_installed_sglang_lacks_fails_in_one_line():
+    argv = server_argv("/m", 30011, 0, True, "triton", extra=["--enable-time-travel"])
+    with pytest.raises(ConfigError) as e:
+        check_server_args(argv)
+    assert "--enable-time-travel" in str(e.value) and sglang.__version__ in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_bad_choice_is_caught_before_launch():
+    with pytest.raises(ConfigError, match=sglang.__version__):
+        check_server_args(server_argv("/m", 30012, 0, True, "no-such-backend"))
+
+
+def test_our_sampling_params_pass_sglang_verify():
+    from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams
+
+    eng = SGLangEngine.__new__(SGLangEngine)  # only the payload builder, no server
+    eng.params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=4, stop_token_ids=(2,))
+    payload = eng._payload([Request(11, 0, (1, 5, 11), 123), Request(11, 1, (1, 5, 11), 456, (7,), 1)])
+    for sp in payload["sampling_params"]:
+        obj = SGLangSamplingParams(**sp)
+        obj.verify(64)
+        assert obj.sampling_seed == sp["sampling_seed"]
+    assert payload["sampling_params"][1]["max_new_tokens"] == 1
+    with pytest.raises(ValueError):
+        SGLangSamplingParams(**{**payload["sampling_params"][0], "top_p": 0.0}).verify(64)
