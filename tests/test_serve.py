@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from detrl.rollout.base import Request, SamplingParams
 from detrl.rollout.sglang import ServerError, SGLangEngine
@@ -21,11 +22,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def servers():
-    """Two deterministic servers (ctx_len 16 = the default task's) on loopback."""
+def _start_servers(n: int):
+    """n deterministic servers (ctx_len 16 = the default task's) on loopback, healthy."""
     procs, urls = [], []
-    for _ in range(2):
+    for _ in range(n):
         port = _free_port()
         procs.append(subprocess.Popen([sys.executable, "-m", "detrl.serve", "--deterministic", "--ctx-len", "16",
                                        "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -39,10 +39,47 @@ def servers():
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
+    return procs, urls
+
+
+@pytest.fixture(scope="module")
+def servers():
+    procs, urls = _start_servers(2)
     yield urls
     for p in procs:
         p.terminate()
         p.wait(timeout=30)
+
+
+def test_killing_a_server_mid_run_names_it_and_keeps_logs_and_checkpoints(tmp_path):
+    from detrl import checkpoint
+    from detrl.analysis import load_metrics
+    from tests.conftest import TINY
+
+    procs, urls = _start_servers(2)
+    run_dir = tmp_path / "run"
+    tiny = [o for o in TINY if not o.startswith("steps=")]
+    train = subprocess.Popen(
+        [sys.executable, "train.py", *tiny, "steps=200", "checkpoint.every=1", "rollout=sglang",
+         "rollout.sglang.urls=[" + ",".join(urls) + "]", "rollout.sglang.retries=1", "rollout.max_batch_size=8",
+         f"run_dir={run_dir}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, metrics = time.time() + 120, run_dir / "metrics.jsonl"
+        while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 2):
+            time.sleep(0.05)
+        procs[1].kill()
+        _, err = train.communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+    assert train.returncode == 1
+    lines = [line for line in err.splitlines() if line.startswith("detrl:")]
+    assert len(lines) == 1 and urls[1] in lines[0] and "Traceback" not in err
+    rows = load_metrics(run_dir)
+    assert len(rows) >= 2 and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    last = checkpoint.latest(run_dir)
+    assert last is not None and int(last.name.split("-")[1]) == len(rows)
+    assert torch.load(last / "state.pt", weights_only=False)["run"]["step"] == len(rows)
 
 
 def test_protocol_shapes(servers):
