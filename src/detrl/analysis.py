@@ -69,9 +69,12 @@ class Sweep:
     rows: dict[str, list[dict]]  # run -> its metrics rows, for fingerprint comparisons
 
 
+_SHORT = {"rollout.partial.enabled=false": "partial=off", "rollout.partial.enabled=true": "partial=on"}
+
+
 def _cell(overrides: list[str]) -> str:
     keep = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").split(".")[0].split("/")[0] not in _NOT_CELL]
-    return ",".join(sorted(keep)) or "default"
+    return ",".join(sorted(_SHORT.get(o.lower(), o) for o in keep)) or "default"
 
 
 def _load_run(run_dir: Path) -> tuple[dict, list[dict]]:
