@@ -14,7 +14,7 @@ install:  ## install detrl (editable)
 install-test: install  ## install the test tools, and SGLang's classes for the contract tests (never its dependencies)
 	$(PYTHON) -m pip install -q -e ".[test]"
 	$(PYTHON) -m pip install -q --no-deps "sglang==0.5.23" "triton==3.9.0"
-	$(PYTHON) -m pip install -q pybase64 msgspec aiohttp
+	$(PYTHON) -m pip install -q pybase64 msgspec aiohttp orjson  # what its server_args and sampling_params import
 
 train: install  ## set up, then train the default: tiny Qwen3, GRPO, determinism on, CPU (~20 s)
 	$(PYTHON) train.py
