@@ -31,22 +31,24 @@ class KVCache:
 
 
 def rope_tables(config, ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [ctx_len, D] exactly as transformers computes them for positions 0..ctx_len-1."""
+    """cos, signed sin [ctx_len, D]: transformers' values for positions 0..ctx_len-1, with the first half of
+    sin negated so that rotate_half becomes a roll (see _rope)."""
     dim = config.head_dim
     theta = config.rope_parameters["rope_theta"]
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [D/2]
     freqs = torch.arange(ctx_len, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [L, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
-    return emb.cos(), emb.sin()
+    sin = emb.sin()
+    return emb.cos(), torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), dim=-1)  # rotate_half's sign folded in
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, bit for bit, with rotate_half as a roll and its sign folded into sin."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def _attention_block(attn, x, rot, mask, positions, layer, cache, ctx_len, ops: Ops, eps: float):
@@ -56,7 +58,7 @@ def _attention_block(attn, x, rot, mask, positions, layer, cache, ctx_len, ops: 
     k = _rms_norm(ops.linear(x, attn.k_proj.weight).view(b, t, -1, hd), attn.k_norm.weight, eps).transpose(1, 2)
     v = ops.linear(x, attn.v_proj.weight).view(b, t, -1, hd).transpose(1, 2)  # [B, Hkv, T, D]
     c, s = rot  # [B, 1, T, D]
-    q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    q, k = _rope(q, c, s), _rope(k, c, s)
     if cache is None:  # whole sequences: the keys are the sequence itself
         if t != ctx_len:
             raise ValueError(f"sequence length {t} must equal ctx_len {ctx_len}")
