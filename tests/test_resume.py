@@ -24,9 +24,15 @@ def _cmd(run_dir, *extra):
             f"run_dir={run_dir}", *extra]
 
 
+# each run gets its own W&B service, as separate `python train.py` invocations do: an earlier in-process
+# test's service (WANDB_SERVICE in os.environ) would keep the killed run's id "in use"
+ENV = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+
+
 def _kill_during_step(run_dir, step, *extra):
     """Start a run and SIGKILL it while step `step` runs (as soon as step - 1 is logged)."""
-    proc = subprocess.Popen(_cmd(run_dir, *extra), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_cmd(run_dir, *extra), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=ENV)
     deadline = time.time() + 300
     metrics = run_dir / "metrics.jsonl"
     while time.time() < deadline and proc.poll() is None:
@@ -44,12 +50,14 @@ def _kill_during_step(run_dir, step, *extra):
                          ids=["dense-grpo-wandb", "moe-dapo", "dense-partial", "moe-partial"])
 def test_sigkill_mid_step_then_resume_equals_an_uninterrupted_run(tmp_path, extra):
     straight = tmp_path / "straight"
-    subprocess.run(_cmd(straight, *extra), cwd=ROOT, check=True, capture_output=True, timeout=300)
+    subprocess.run(_cmd(straight, *extra), cwd=ROOT, check=True, capture_output=True, timeout=300, env=ENV)
     killed = tmp_path / "killed"
     _kill_during_step(killed, 4, *extra)
     assert len(load_metrics(killed)) >= 3 and not (killed / "summary.json").exists()
     assert checkpoint.latest(killed).name in ("step-000002", "step-000004")
-    subprocess.run(_cmd(killed, "resume=auto", *extra), cwd=ROOT, check=True, capture_output=True, timeout=300)
+    resumed = subprocess.run(_cmd(killed, "resume=auto", *extra), cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = load_metrics(straight), load_metrics(killed)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))  # no step logged twice
     assert [[r[k] for k in FP_ORDER] for r in a] == [[r[k] for k in FP_ORDER] for r in b]

@@ -161,10 +161,12 @@ def collect_partial(engine, source: GroupSource, buffer: PartialBuffer, step: in
             last = {r.request.prompt_uid: i for i, r in enumerate(results)}
             complete.sort(key=lambda g: last.get(g.prompt_uid, -1))
         buffer.take(complete)
-        scored = {id(g): Scored([s.as_result() for s in g.samples], *source.score([s.as_result() for s in g.samples],
-                                g.answer), [s.versions for s in g.samples]) for g in complete}
-        kept = {id(sc) for sc in source.keep(list(scored.values()))}
-        ready += [(g, scored[id(g)]) for g in complete if id(scored[id(g)]) in kept]
+        scored = []
+        for g in complete:
+            rs = [s.as_result() for s in g.samples]
+            scored.append(Scored(rs, *source.score(rs, g.answer), [s.versions for s in g.samples]))
+        kept = {id(sc) for sc in source.keep(scored)}
+        ready += [(g, sc) for g, sc in zip(complete, scored) if id(sc) in kept]
         if len(ready) >= need:
             break
         if not buffer.pending():  # all in flight done, too few kept: another round of prompts

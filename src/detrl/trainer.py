@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from detrl import checkpoint
 from detrl import determinism as det_mod
-from detrl.algos import agg_loss, compute_policy_loss, grpo_advantages, kl_penalty
+from detrl.algos import ADV_ESTIMATORS, agg_loss, compute_policy_loss, kl_penalty
 from detrl.algos.core import entropy_from_logp, masked_mean
 from detrl.collect import GroupSource, StepBatch, collect, collect_partial
 from detrl.config import TrainConfig
@@ -231,7 +231,8 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             else:
                 batch, data_pos = collect(engine, source, step, data_pos, ctx_len)
             t_rollout = time.perf_counter() - t0
-            adv = grpo_advantages(batch.scores, batch.group_ids, cfg.algo.norm_adv_by_std, cfg.algo.adv_epsilon)
+            adv = ADV_ESTIMATORS[cfg.algo.adv_estimator](batch.scores, batch.group_ids, cfg.algo.norm_adv_by_std,
+                                                         cfg.algo.adv_epsilon)
             # --- update, then sync the engine's weights
             metrics = update(model, ref_model, opt, batch, adv, cfg, det.ops, ctx_len, rope, version=step - 1)
             engine.update_weights(model.state_dict())
