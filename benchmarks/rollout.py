@@ -1,10 +1,12 @@
 """Embedded engine tokens/s vs transformers `generate(do_sample=True)`, side by side in one process.
 
-    python benchmarks/rollout.py [--batch 32] [--new-tokens 16] [--repeats 7]
+    python benchmarks/rollout.py                      # a default training step's rollout: 32 prompts x 8
+    python benchmarks/rollout.py --prompts 8 --n 4    # vs_trl.py's batch: 8 prompts x 4 samples
 
-The same tiny dense Qwen3 (seed-0 init) and the same batch of prompts; every sequence generates exactly
-`--new-tokens` tokens (no stop token), so tokens/s = batch x new tokens / seconds. Runs alternate; the
-table shows medians.
+The same tiny dense Qwen3 (seed-0 init) and the same prompts, each sampled n times; every sequence
+generates exactly `--new-tokens` tokens (no stop token), so tokens/s = prompts x n x new tokens /
+seconds. The engine runs with the default config's workers and batch cap; `generate` gets the whole
+batch in one call (num_return_sequences=n). Runs alternate; the table shows medians.
 """
 
 from __future__ import annotations
@@ -28,16 +30,18 @@ from detrl.warmstart import encode  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=32, help="prompts (train_batch_size)")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (rollout.n)")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--workers", type=int, default=2, help="engine workers (rollout.num_workers)")
+    ap.add_argument("--max-batch-size", type=int, default=64, help="engine batch cap (rollout.max_batch_size)")
     args = ap.parse_args()
     from detrl.models.build import build_model
 
     tok = build_tokenizer()
     task = ArithmeticTask(0, 9, ["+"], seed=0)
-    prompts = [encode(tok, task[i].prompt) for i in range(args.batch)]
+    prompts = [encode(tok, task[i].prompt) for i in range(args.prompts)]
     model = build_model(ModelConfig(), seed=0).eval()
     ctx = -(-(max(map(len, prompts)) + args.new_tokens) // 8) * 8
     params = SamplingParams(1.0, 1.0, args.new_tokens, ())
@@ -45,17 +49,17 @@ def main() -> None:
     def engine_run(on: bool):
         det = setup(on, 0)
         eng = EmbeddedEngine(model, det.ops, ctx, params, seed=0, num_workers=args.workers,
-                             max_batch_size=args.batch, fixed_routing=det.fixed_routing)
-        reqs = [Request(det.prompt_uid(i), 0, tuple(p), det.sampling_seed(1, det.prompt_uid(i), 0))
-                for i, p in enumerate(prompts)]
+                             max_batch_size=args.max_batch_size, fixed_routing=det.fixed_routing)
+        reqs = [Request(det.prompt_uid(i), j, tuple(p), det.sampling_seed(1, det.prompt_uid(i), j))
+                for i, p in enumerate(prompts) for j in range(args.n)]
         t = time.perf_counter()
         res = eng.generate(reqs)
         assert all(len(r.tokens) == args.new_tokens for r in res)
         return time.perf_counter() - t
 
     width = max(map(len, prompts))
-    left = torch.zeros(args.batch, width, dtype=torch.long)  # generate wants left padding
-    attn = torch.zeros(args.batch, width, dtype=torch.long)
+    left = torch.zeros(len(prompts), width, dtype=torch.long)  # generate wants left padding
+    attn = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
         left[i, width - len(p):] = torch.tensor(p)
         attn[i, width - len(p):] = 1
@@ -65,9 +69,9 @@ def main() -> None:
         t = time.perf_counter()
         with torch.no_grad():
             out = model.generate(input_ids=left, attention_mask=attn, do_sample=True, max_new_tokens=args.new_tokens,
-                                 min_new_tokens=args.new_tokens, pad_token_id=0, temperature=1.0, top_p=1.0,
+                                 min_new_tokens=args.new_tokens, pad_token_id=0, num_return_sequences=args.n, temperature=1.0, top_p=1.0,
                                  top_k=0)
-        assert out.shape[1] == width + args.new_tokens
+        assert out.shape == (len(prompts) * args.n, width + args.new_tokens)
         return time.perf_counter() - t
 
     runs = {"transformers generate(do_sample=True)": hf_run, "detrl engine, determinism=off": lambda: engine_run(False),
@@ -79,9 +83,10 @@ def main() -> None:
         for name, fn in runs.items():
             times[name].append(fn())
     base = statistics.median(times["transformers generate(do_sample=True)"])
-    tokens = args.batch * args.new_tokens
-    print(f"\n{args.batch} sequences x {args.new_tokens} new tokens, {args.workers} engine worker(s), CPU "
-          f"({torch.get_num_threads()} threads), median of {args.repeats}\n")
+    tokens = len(prompts) * args.n * args.new_tokens
+    print(f"\n{args.prompts} prompts x {args.n} samples x {args.new_tokens} new tokens, engine: {args.workers} "
+          f"worker(s), batches of <= {args.max_batch_size}; CPU ({torch.get_num_threads()} threads), median of "
+          f"{args.repeats}\n")
     print("| sampler | median (s) | tokens/s | vs generate |\n|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)

@@ -43,7 +43,7 @@ def test_prefill_plus_kv_cache_decode_equals_the_full_pass_bitwise(model):
     ops, rope = BATCH_INVARIANT_OPS, rope_tables(model.config, L)
     tok = _tokens(3)
     full = forward(model, tok, ops, L, rope)
-    cache = KVCache.empty(model, 3, L)
+    cache = KVCache.empty(model.config, 3, L)
     steps = [forward(model, tok[:, :5], ops, L, rope, cache=cache)]
     for t in range(5, L):
         steps.append(forward(model, tok[:, t : t + 1], ops, L, rope, cache=cache, positions=torch.full((3, 1), t)))

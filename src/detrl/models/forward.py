@@ -4,6 +4,8 @@ The sampler (prefill + KV-cache decode) and the trainer (one pass over whole seq
 `forward`, with the same `Ops` and the same fixed key length `ctx_len`, so that with batch-invariant
 ops a token's logits are the same bits in both. Sequences are left-aligned (token i at position i);
 the cache holds `ctx_len` slots per row and attention always runs over all of them under a mask.
+Both run on `fuse(model)`: the model's weights with q/k/v and gate/up stacked so that one gemm does the
+work of several (fewer, larger calls; the trainer fuses with autograd, the engine once per weight sync).
 Matches transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM (tested to float tolerance).
 """
 
@@ -18,16 +20,60 @@ from detrl.models.ops import Ops, moe_dispatch
 
 
 @dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]: q_proj, k_proj, v_proj stacked
+    qk_norm: torch.Tensor  # [Hq + Hkv, D]: q_norm's weight per query head, then k_norm's per kv head
+    o: torch.Tensor  # [H, Hq D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # dense [2I, H] (gate_proj, up_proj stacked); MoE [E, 2I, H]
+    down: torch.Tensor  # dense [H, I]; MoE [E, H, I]
+    router: torch.Tensor | None = None  # MoE [E, H]
+
+
+@dataclass
+class Weights:
+    """The forward's view of a Qwen3 model: per-layer fused tensors plus what it needs of the config."""
+
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    config: object
+
+
+def fuse(model) -> Weights:
+    """The model's weights as the forward consumes them (differentiable: gradients flow to the model)."""
+    c, inner = model.config, model.model
+    layers = []
+    for layer in inner.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+        lw = LayerWeights(
+            input_norm=layer.input_layernorm.weight,
+            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+            qk_norm=torch.cat([a.q_norm.weight.expand(heads, -1), a.k_norm.weight.expand(kv_heads, -1)]),
+            o=a.o_proj.weight,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up=None, down=None)
+        if hasattr(mlp, "experts"):
+            lw.gate_up, lw.down, lw.router = mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight
+        else:
+            lw.gate_up, lw.down = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight
+        layers.append(lw)
+    return Weights(inner.embed_tokens.weight, layers, inner.norm.weight, model.lm_head.weight, c)
+
+
+@dataclass
 class KVCache:
     k: list[torch.Tensor]  # per layer [B, Hkv, ctx_len, D]
     v: list[torch.Tensor]
 
     @classmethod
-    def empty(cls, model, batch: int, ctx_len: int) -> KVCache:
-        c = model.config
-        shape = (batch, c.num_key_value_heads, ctx_len, c.head_dim)
-        return cls([torch.zeros(shape) for _ in range(c.num_hidden_layers)],
-                   [torch.zeros(shape) for _ in range(c.num_hidden_layers)])
+    def empty(cls, config, batch: int, ctx_len: int) -> KVCache:
+        shape = (batch, config.num_key_value_heads, ctx_len, config.head_dim)
+        return cls([torch.zeros(shape) for _ in range(config.num_hidden_layers)],
+                   [torch.zeros(shape) for _ in range(config.num_hidden_layers)])
 
 
 def rope_tables(config, ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,62 +97,63 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
-def _attention_block(attn, x, rot, mask, positions, layer, cache, ctx_len, ops: Ops, eps: float):
+def _attention_block(lw: LayerWeights, x, rot, mask, slot, layer, cache, ctx_len, ops: Ops, config):
     b, t, _ = x.shape
-    hd = attn.head_dim
-    q = _rms_norm(ops.linear(x, attn.q_proj.weight).view(b, t, -1, hd), attn.q_norm.weight, eps).transpose(1, 2)
-    k = _rms_norm(ops.linear(x, attn.k_proj.weight).view(b, t, -1, hd), attn.k_norm.weight, eps).transpose(1, 2)
-    v = ops.linear(x, attn.v_proj.weight).view(b, t, -1, hd).transpose(1, 2)  # [B, Hkv, T, D]
-    c, s = rot  # [B, 1, T, D]
-    q, k = _rope(q, c, s), _rope(k, c, s)
+    hd, heads, eps = config.head_dim, config.num_attention_heads, config.rms_norm_eps
+    qkv = ops.linear(x, lw.qkv).view(b, t, -1, hd)  # [B, T, Hq + 2 Hkv, D]
+    qk = _rope(_rms_norm(qkv[:, :, : lw.qk_norm.shape[0]], lw.qk_norm, eps), *rot).transpose(1, 2)  # [B, Hq+Hkv, T, D]
+    q, k = qk[:, :heads], qk[:, heads:]
+    v = qkv[:, :, lw.qk_norm.shape[0] :].transpose(1, 2)  # [B, Hkv, T, D]
     if cache is None:  # whole sequences: the keys are the sequence itself
         if t != ctx_len:
             raise ValueError(f"sequence length {t} must equal ctx_len {ctx_len}")
         keys, values = k, v
     elif t == 1:  # decode: each row writes its own slot (scatter_: index_put_ is slow in deterministic mode)
-        slot = positions[:, None, :, None].expand(b, k.shape[1], 1, hd)  # [B, Hkv, 1, D]
         keys, values = cache.k[layer].scatter_(2, slot, k), cache.v[layer].scatter_(2, slot, v)
     else:  # prefill from position 0
         cache.k[layer][:, :, :t] = k
         cache.v[layer][:, :, :t] = v
         keys, values = cache.k[layer], cache.v[layer]
-    out = ops.attention(q, keys, values, mask, attn.scaling)  # [B, H, T, D] (grouped-query: H = rep x Hkv)
-    return ops.linear(out.transpose(1, 2).reshape(b, t, -1), attn.o_proj.weight)
+    out = ops.attention(q, keys, values, mask, config.head_dim**-0.5)  # [B, Hq, T, D] (grouped-query: Hq = rep x Hkv)
+    return ops.linear(out.transpose(1, 2).reshape(b, t, -1), lw.o)
 
 
-def _mlp_block(mlp, x, ops: Ops):
-    if hasattr(mlp, "experts"):  # Qwen3-MoE sparse block
+def _mlp_block(lw: LayerWeights, x, ops: Ops, config):
+    if lw.router is not None:  # Qwen3-MoE sparse block
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
-        top_w, top_i = ops.route(ops.linear(flat, mlp.gate.weight), mlp.gate.top_k, mlp.gate.norm_topk_prob)
-        out = moe_dispatch(flat, top_w, top_i, mlp.experts.gate_up_proj, mlp.experts.down_proj, ops.linear, ops.silu)
-        return out.view_as(x)
-    gate, up = ops.linear(x, mlp.gate_proj.weight), ops.linear(x, mlp.up_proj.weight)
-    return ops.linear(ops.silu(gate) * up, mlp.down_proj.weight)
+        top_w, top_i = ops.route(ops.linear(flat, lw.router), config.num_experts_per_tok, config.norm_topk_prob)
+        return moe_dispatch(flat, top_w, top_i, lw.gate_up, lw.down, ops.linear, ops.silu).view_as(x)
+    gate, up = ops.linear(x, lw.gate_up).chunk(2, dim=-1)
+    return ops.linear(ops.silu(gate) * up, lw.down)
 
 
 def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KVCache | None = None,
             positions: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
     """tokens [B, T] -> logits [B, T, V] (or [B, V] at index `last` [B] of each row).
 
-    cache None: whole left-aligned sequences of length ctx_len (training). With a cache: T > 1 is a
-    prefill at positions 0..T-1; T == 1 is a decode step at `positions` [B, 1].
+    `model`: a transformers Qwen3 model or its `fuse`d Weights. cache None: whole left-aligned sequences of
+    length ctx_len (training). With a cache: T > 1 is a prefill at positions 0..T-1; T == 1 is a decode
+    step at `positions` [B, 1].
     """
+    w = model if isinstance(model, Weights) else fuse(model)
+    c = w.config
     b, t = tokens.shape
     if positions is None:
         positions = torch.arange(t).expand(b, t)
-    inner, eps = model.model, model.config.rms_norm_eps
     cos, sin = rope
-    rot = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, T, D], shared by the layers
+    rot = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, T, 1, D], shared by heads and layers
     mask = torch.arange(ctx_len)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]
-    h = inner.embed_tokens.weight[tokens]  # [B, T, H]
-    for i, layer in enumerate(inner.layers):
-        h = h + _attention_block(layer.self_attn, _rms_norm(h, layer.input_layernorm.weight, eps),
-                                 rot, mask, positions, i, cache, ctx_len, ops, eps)
-        h = h + _mlp_block(layer.mlp, _rms_norm(h, layer.post_attention_layernorm.weight, eps), ops)
+    slot = None
+    if cache is not None and t == 1:  # the cache slot each row writes, shared by the layers
+        slot = positions[:, None, :, None].expand(b, c.num_key_value_heads, 1, c.head_dim)  # [B, Hkv, 1, D]
+    eps = c.rms_norm_eps
+    h = w.embed[tokens]  # [B, T, H]
+    for i, lw in enumerate(w.layers):
+        h = h + _attention_block(lw, _rms_norm(h, lw.input_norm, eps), rot, mask, slot, i, cache, ctx_len, ops, c)
+        h = h + _mlp_block(lw, _rms_norm(h, lw.post_norm, eps), ops, c)
     if last is not None:
         h = h[torch.arange(b), last]  # [B, H]
-    h = _rms_norm(h, inner.norm.weight, eps)
-    return ops.linear(h, model.lm_head.weight)  # [B, T, V] or [B, V]
+    return ops.linear(_rms_norm(h, w.norm, eps), w.lm_head)  # [B, T, V] or [B, V]
 
 
 def log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -99,27 +99,39 @@ def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     Always over the full key length L with masked keys at -inf, so prefill, decode and training
     reduce over the same row. Grouped-query heads share their key/value head without a copy: the
     rep query heads of a group are stacked as rows. Matmuls where the gemm is row-invariant, else
-    explicit row sums.
+    explicit row sums. (torch's fused CPU attention is row-invariant for query blocks of >= ROW_TILE
+    rows, but a decode step padded to that many rows runs ~5x slower in it than these matmuls.)
     """
     b, h, t, d = q.shape
     hkv, length = k.shape[1], k.shape[-2]
     rep = h // hkv
     q = q.reshape(b, hkv, rep * t, d)  # rows (r, t) of each kv group
-    mask = mask.unsqueeze(2).expand(mask.shape[0], 1, rep, t, length).reshape(mask.shape[0], 1, rep * t, length)
-    return _grouped_attention(q, k, v, mask, scale).reshape(b, h, t, d)
-
-
-def _grouped_attention(q, k, v, mask, scale) -> torch.Tensor:
-    d, length = q.shape[-1], k.shape[-2]
     fast = _gemm_is_row_invariant(d, length, q.dtype) and _gemm_is_row_invariant(length, d, q.dtype)
+    if fast and t == 1 and rep < ROW_TILE:  # a decode step: its rep rows share one mask row
+        return _decode_attention(q, k, v, mask, scale).reshape(b, h, t, d)
     if fast:
-        scores = _bi_matmul(q, k.transpose(-1, -2)) * scale  # [B, H, T, L]
+        scores = _bi_matmul(q, k.transpose(-1, -2)) * scale  # [B, Hkv, rep T, L]
     else:
-        scores = (q.unsqueeze(-2) * k.unsqueeze(-3)).sum(-1) * scale  # [B, H, T, L]
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # [B, H, T, L]
+        scores = (q.unsqueeze(-2) * k.unsqueeze(-3)).sum(-1) * scale  # [B, Hkv, rep T, L]
+    scores = scores.view(b, hkv, rep, t, length).masked_fill(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, hkv, rep * t, length)
     if fast:
-        return _bi_matmul(probs, v)  # [B, H, T, D]
-    return (probs.unsqueeze(-2) * v.transpose(-1, -2).unsqueeze(-3)).sum(-1)  # [B, H, T, D]
+        out = _bi_matmul(probs, v)  # [B, Hkv, rep T, D]
+    else:
+        out = (probs.unsqueeze(-2) * v.transpose(-1, -2).unsqueeze(-3)).sum(-1)  # [B, Hkv, rep T, D]
+    return out.reshape(b, h, t, d)
+
+
+def _decode_attention(q, k, v, mask, scale) -> torch.Tensor:
+    """bi_attention's fast path for one query position: q (B, Hkv, rep, D) -> (B Hkv, rep, D), the gemms
+    as bmm on rows padded to ROW_TILE, mask and softmax on the rep real rows only."""
+    b, hkv, rep, d = q.shape
+    length = k.shape[-2]
+    rows = _pad_rows(q.reshape(b * hkv, rep, d))  # [B Hkv, R, D]
+    scores = torch.bmm(rows, k.view(b * hkv, length, d).transpose(1, 2))[:, :rep] * scale  # [B Hkv, rep, L]
+    scores = scores.view(b, hkv, rep, length).masked_fill(~mask, float("-inf"))  # mask [B, 1, 1, L]
+    probs = torch.softmax(scores, dim=-1).view(b * hkv, rep, length)
+    return torch.bmm(_pad_rows(probs), v.view(b * hkv, length, d))[:, :rep]
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -17,12 +17,13 @@ import time
 
 import torch
 
-from detrl.models.forward import KVCache, forward, log_probs, rope_tables
+from detrl.models.forward import KVCache, forward, fuse, log_probs, rope_tables
 from detrl.models.ops import Ops
 from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
 
 _DONE = None
+_NOISE_CHUNK = 16  # decode steps whose sampling noise is drawn at once
 
 
 class EmbeddedEngine:
@@ -32,6 +33,7 @@ class EmbeddedEngine:
                  num_workers: int = 1, max_batch_size: int = 64, fixed_routing: bool = True,
                  batch_window_s: float = 0.002):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.weights = fuse(self.model)  # what the forward runs on, rebuilt at each weight sync
         self.ops, self.ctx_len, self.params = ops, ctx_len, params
         self.num_workers, self.max_batch_size, self.fixed_routing = num_workers, max_batch_size, fixed_routing
         self.batch_window_s = batch_window_s
@@ -42,6 +44,7 @@ class EmbeddedEngine:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict)
+        self.weights = fuse(self.model)
 
     def close(self) -> None:
         pass
@@ -153,47 +156,52 @@ class EmbeddedEngine:
         if any(seeded) and not all(seeded):
             raise ValueError("a batch mixes seeded and unseeded requests")
         seeds = torch.tensor([r.seed for r in requests]) if all(seeded) else None
-        stops = torch.tensor(p.stop_token_ids or (-1,))
-        limits = torch.tensor(limit)  # [B]
+        stops = torch.tensor(p.stop_token_ids) if p.stop_token_ids else None
 
-        cache = KVCache.empty(self.model, b, self.ctx_len)
-        last = forward(self.model, prompts, self.ops, self.ctx_len, self.rope, cache=cache, last=lens - 1)  # [B, V]
-        pos = lens.clone()  # position of the token being sampled, per row
-        vocab = self.model.config.vocab_size
-        if seeds is not None:  # every step's noise at once: it depends on (seed, position, vocab id) only
-            steps = torch.arange(max(max(limit), 1))
-            noise_all = hashed_gumbel(seeds, lens[:, None] + steps[None, :], vocab)  # [B, T, V]
-        tokens, logps = [], []
-        done = limits <= 0  # rows with nothing left to generate
-        stopped = torch.zeros(b, dtype=torch.bool)
-        count = torch.zeros(b, dtype=torch.long)  # tokens kept per row
-        for t in range(max(limit)):
+        cache = KVCache.empty(self.model.config, b, self.ctx_len)
+        last = forward(self.weights, prompts, self.ops, self.ctx_len, self.rope, cache=cache, last=lens - 1)  # [B, V]
+        steps = max(limit)
+        tokens = torch.empty(b, max(steps, 1), dtype=torch.long)  # [B, T]
+        logps = torch.empty(b, max(steps, 1))
+        stopped = torch.zeros(b, dtype=torch.bool)  # rows that sampled a stop token
+        finished_by = torch.tensor(limit)  # [B] row i is finished after step t once t + 1 >= limit[i]
+        sampled = 0  # steps run
+        for t in range(steps):
             if self._abort.is_set():
                 break
+            if t % _NOISE_CHUNK == 0:  # the next chunk of steps' noise at once (bounded memory)
+                noise = self._noise(seeds, lens + t, min(_NOISE_CHUNK, steps - t))  # [B, C, V]
             logp = log_probs(last, p.temperature)  # [B, V]
-            noise = noise_all[:, t] if seeds is not None else stream_gumbel(self.generator, b, vocab)
-            tok = sample(logp, noise, p.top_p)  # [B]
-            tokens.append(tok)
-            logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
-            count += (~done).long()
-            hit = torch.isin(tok, stops) & ~done
-            stopped |= hit
-            done |= hit | (count >= limits)
-            if bool(done.all()):
+            tok = sample(logp, noise[:, t % _NOISE_CHUNK], p.top_p)  # [B]
+            tokens[:, t] = tok
+            logps[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
+            sampled = t + 1
+            if sampled == steps:
                 break
-            last = forward(self.model, tok[:, None], self.ops, self.ctx_len, self.rope, cache=cache,
-                           positions=pos[:, None])[:, 0]
-            pos = pos + 1
-        if tokens:
-            tok_mat, lp_mat = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # [B, T]
-        else:
-            tok_mat, lp_mat = [[] for _ in range(b)], [[] for _ in range(b)]
+            if stops is not None:
+                stopped |= torch.isin(tok, stops)
+                if bool((stopped | (finished_by <= sampled)).all()):
+                    break
+            last = forward(self.weights, tok[:, None], self.ops, self.ctx_len, self.rope, cache=cache,
+                           positions=(lens + t)[:, None])[:, 0]
+        tok_mat, lp_mat = tokens[:, :sampled].tolist(), logps[:, :sampled].tolist()  # [B, T]: one copy out
+        stop_set = set(p.stop_token_ids)
         out = []
         for i, r in enumerate(requests):
-            n = int(count[i])
-            reason = "stop" if bool(stopped[i]) else "length" if n >= room[i] else "abort"
-            out.append(Result(r, tok_mat[i][:n], lp_mat[i][:n], reason))
+            row = tok_mat[i][: limit[i]]
+            n = next((j + 1 for j, x in enumerate(row) if x in stop_set), len(row))
+            reason = "stop" if n and row[n - 1] in stop_set else "length" if n >= room[i] else "abort"
+            out.append(Result(r, row[:n], lp_mat[i][:n], reason))
         return out
+
+    def _noise(self, seeds: torch.Tensor | None, positions: torch.Tensor, steps: int) -> torch.Tensor:
+        """Gumbel noise [B, steps, V] for the tokens at `positions` [B] onward. Seeded: a hash of (seed,
+        position, vocab id), whichever batch or step computes it. Else the next draws of the shared stream."""
+        vocab = self.model.config.vocab_size
+        if seeds is not None:
+            return hashed_gumbel(seeds, positions[:, None] + torch.arange(steps)[None, :], vocab)
+        return stream_gumbel(self.generator, (positions.shape[0], steps), vocab)
+
 
 def _run_threads(fn, n: int) -> list:
     """fn(i) for i in range(n) on n threads; re-raises the first worker error."""

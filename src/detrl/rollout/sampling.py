@@ -62,8 +62,9 @@ def hashed_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, key:
     return gumbel(hashed_uniform(seeds, positions, vocab, key))
 
 
-def stream_gumbel(generator: torch.Generator, batch: int, vocab: int) -> torch.Tensor:
-    u = torch.rand(batch, vocab, generator=generator, dtype=torch.float64).clamp_min(1e-300)
+def stream_gumbel(generator: torch.Generator, lead: tuple[int, ...], vocab: int) -> torch.Tensor:
+    """Gumbel noise [*lead, V] from the next draws of a shared generator (whoever calls first gets them)."""
+    u = torch.rand(*lead, vocab, generator=generator, dtype=torch.float64).clamp_min(1e-300)
     return gumbel(u)
 
 
