@@ -11,7 +11,7 @@ Matches transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM (tested to float to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,24 @@ class Weights:
     norm: torch.Tensor
     lm_head: torch.Tensor
     config: object
+
+    def map(self, fn) -> Weights:
+        """The same weights with fn applied to every tensor (e.g. a detached copy in shared memory)."""
+        def each(x):
+            return None if x is None else fn(x)
+
+        layers = [LayerWeights(**{f.name: each(getattr(lw, f.name)) for f in fields(LayerWeights)}) for lw in self.layers]
+        return Weights(fn(self.embed), layers, fn(self.norm), fn(self.lm_head), self.config)
+
+    def copy_(self, other: Weights) -> None:
+        """Overwrite these tensors in place with other's values (a weight sync that readers see)."""
+        pairs = [(self.embed, other.embed), (self.norm, other.norm), (self.lm_head, other.lm_head)]
+        for mine, theirs in zip(self.layers, other.layers):
+            pairs += [(getattr(mine, f.name), getattr(theirs, f.name)) for f in fields(LayerWeights)]
+        with torch.no_grad():
+            for dst, src in pairs:
+                if dst is not None:
+                    dst.copy_(src)
 
 
 def fuse(model) -> Weights:

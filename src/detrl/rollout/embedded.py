@@ -1,137 +1,49 @@
-"""The embedded engine: concurrent in-process workers, each batching the requests routed to it.
+"""The embedded engine: worker processes, each batching the requests routed to it.
 
-Like a serving engine with several replicas and dynamic batching: `generate` routes requests to
-`num_workers` threads; each runs a KV-cache sampler over the functional Qwen3 forward on batches of up
-to `max_batch_size` requests. With `fixed_routing` (determinism on) the requests, in submission order,
-are cut into full batches and batch j goes to worker j mod num_workers. Without it (off) requests arrive one
-prompt group at a time on a shared queue, a free worker takes what arrives within a short batching
-window (first free, dynamic batch composition), and results come back in completion order.
+Like a serving engine with data-parallel replicas and dynamic batching: `generate` routes requests to
+`num_workers` worker processes (forked like DataLoader workers, one intra-op thread each: on CPU a
+decode step is many small ops, and threads serialise on the GIL: measured, two threads ran two batches
+slower than one thread ran them in turn). Each runs a KV-cache sampler over the functional Qwen3
+forward on batches of up to `max_batch_size` requests, reading the policy weights from shared memory
+that `update_weights` overwrites in place. With `fixed_routing` (determinism on) the requests, in
+submission order, are cut into full batches and batch j goes to worker j mod num_workers. Without it
+(off) prompt groups go to a shared queue, a free worker takes what arrives within a short batching
+window (first free, dynamic batch composition), and results come back in completion order. Unseeded requests
+draw from the serving worker's own stream, reseeded at each call from the engine's `generator` (the
+state a checkpoint saves).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import queue
-import threading
+import sys
 import time
+import traceback
+import weakref
 
 import torch
+import torch.multiprocessing as mp
 
-from detrl.models.forward import KVCache, forward, fuse, log_probs, rope_tables
-from detrl.models.ops import Ops
+from detrl.models.forward import KVCache, Weights, forward, fuse, log_probs, rope_tables
+from detrl.models.ops import BATCH_INVARIANT_OPS, Ops
 from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
 
-_DONE = None
 _NOISE_CHUNK = 16  # decode steps whose sampling noise is drawn at once
+_POLL_S = 1.0  # how often a waiting engine checks that its workers are alive
 
 
-class EmbeddedEngine:
-    """Holds its own copy of the policy weights (synced by `update_weights`, as a serving engine would)."""
+class Sampler:
+    """One replica's batch sampler: the shared weights, the ops, a stream for unseeded requests."""
 
-    def __init__(self, model: torch.nn.Module, ops: Ops, ctx_len: int, params: SamplingParams, seed: int,
-                 num_workers: int = 1, max_batch_size: int = 64, fixed_routing: bool = True,
-                 batch_window_s: float = 0.002):
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
-        self.weights = fuse(self.model)  # what the forward runs on, rebuilt at each weight sync
-        self.ops, self.ctx_len, self.params = ops, ctx_len, params
-        self.num_workers, self.max_batch_size, self.fixed_routing = num_workers, max_batch_size, fixed_routing
-        self.batch_window_s = batch_window_s
-        self.rope = rope_tables(self.model.config, ctx_len)
-        self.generator = torch.Generator().manual_seed(seed)  # the shared stream (requests without a seed)
-        self.batch_log: list[tuple[int, tuple[tuple[int, int], ...]]] = []  # (worker, uids) per batch run
-        self._abort = threading.Event()  # set: running batches stop at their next token, queued ones are not run
-
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state_dict)
-        self.weights = fuse(self.model)
-
-    def close(self) -> None:
-        pass
-
-    def generate(self, requests: list[Request], stop_when=None) -> list[Result]:
-        """All requests through the workers. Fixed routing: results in request order; else completion order.
-
-        `stop_when(results_so_far) -> bool` (dynamic routing only) is checked as batches complete; once
-        true, running batches are cut at their next token and queued requests come back unstarted, all
-        with finish reason "abort" (an async system's cut of a partial rollout).
-        """
-        self.batch_log = []
-        self._abort.clear()
-        if not requests:
-            return []
-        if self.fixed_routing:
-            if stop_when is not None:
-                raise ValueError("stop_when needs dynamic routing; with fixed routing cut by token budget")
-            return self._generate_fixed(requests)
-        return self._generate_dynamic(requests, stop_when)
-
-    def _generate_fixed(self, requests: list[Request]) -> list[Result]:
-        # the fixed rule: requests in submission (uid) order, cut into full batches, batch j -> worker j % W
-        batches = [requests[lo : lo + self.max_batch_size] for lo in range(0, len(requests), self.max_batch_size)]
-
-        def work(w: int) -> list[Result]:
-            out = []
-            for batch in batches[w :: self.num_workers]:
-                out += self._logged_batch(w, batch)
-            return out
-
-        by_uid = {res.uid: res for shard in _run_threads(work, self.num_workers) for res in shard}
-        return [by_uid[r.uid] for r in requests]
-
-    def _generate_dynamic(self, requests: list[Request], stop_when=None) -> list[Result]:
-        inbox: queue.Queue = queue.Queue()
-        done: list[Result] = []
-        lock = threading.Lock()
-
-        def work(w: int) -> list[Result]:
-            while True:
-                first = inbox.get()
-                if first is _DONE:
-                    inbox.put(_DONE)  # let the other workers see it too
-                    return []
-                batch = [first]
-                # what arrives within the batching window, up to a full batch (a server's max queue delay)
-                deadline = time.perf_counter() + self.batch_window_s
-                while len(batch) < self.max_batch_size:
-                    try:
-                        nxt = inbox.get(timeout=max(0.0, deadline - time.perf_counter()))
-                    except queue.Empty:
-                        break
-                    if nxt is _DONE:
-                        inbox.put(_DONE)
-                        break
-                    batch.append(nxt)
-                if self._abort.is_set():  # cut: queued requests come back unstarted
-                    results = [Result(r, [], [], "abort") for r in batch]
-                else:
-                    results = self._logged_batch(w, batch)
-                with lock:
-                    done.extend(results)  # completion order
-                    if stop_when is not None and not self._abort.is_set() and stop_when(done):
-                        self._abort.set()
-
-        def feed() -> None:  # requests arrive one prompt group at a time
-            group: list[Request] = []
-            for r in requests:
-                if group and r.prompt_uid != group[0].prompt_uid:
-                    for g in group:
-                        inbox.put(g)
-                    group = []
-                group.append(r)
-            for g in group:
-                inbox.put(g)
-            inbox.put(_DONE)
-
-        feeder = threading.Thread(target=feed, daemon=True)
-        feeder.start()
-        _run_threads(work, self.num_workers)
-        feeder.join()
-        return done
-
-    def _logged_batch(self, worker: int, batch: list[Request]) -> list[Result]:
-        self.batch_log.append((worker, tuple(r.uid for r in batch)))
-        return self.run_batch(batch)
+    def __init__(self, weights: Weights, ops: Ops, ctx_len: int, params: SamplingParams,
+                 generator: torch.Generator | None, abort):
+        self.weights, self.ops, self.ctx_len, self.params = weights, ops, ctx_len, params
+        self.rope = rope_tables(weights.config, ctx_len)
+        self.generator = generator
+        self.abort = abort  # set: a running batch stops at its next token
 
     @torch.no_grad()
     def run_batch(self, requests: list[Request]) -> list[Result]:
@@ -158,7 +70,7 @@ class EmbeddedEngine:
         seeds = torch.tensor([r.seed for r in requests]) if all(seeded) else None
         stops = torch.tensor(p.stop_token_ids) if p.stop_token_ids else None
 
-        cache = KVCache.empty(self.model.config, b, self.ctx_len)
+        cache = KVCache.empty(self.weights.config, b, self.ctx_len)
         last = forward(self.weights, prompts, self.ops, self.ctx_len, self.rope, cache=cache, last=lens - 1)  # [B, V]
         steps = max(limit)
         tokens = torch.empty(b, max(steps, 1), dtype=torch.long)  # [B, T]
@@ -167,7 +79,7 @@ class EmbeddedEngine:
         finished_by = torch.tensor(limit)  # [B] row i is finished after step t once t + 1 >= limit[i]
         sampled = 0  # steps run
         for t in range(steps):
-            if self._abort.is_set():
+            if self.abort.is_set():
                 break
             if t % _NOISE_CHUNK == 0:  # the next chunk of steps' noise at once (bounded memory)
                 noise = self._noise(seeds, lens + t, min(_NOISE_CHUNK, steps - t))  # [B, C, V]
@@ -196,32 +108,210 @@ class EmbeddedEngine:
 
     def _noise(self, seeds: torch.Tensor | None, positions: torch.Tensor, steps: int) -> torch.Tensor:
         """Gumbel noise [B, steps, V] for the tokens at `positions` [B] onward. Seeded: a hash of (seed,
-        position, vocab id), whichever batch or step computes it. Else the next draws of the shared stream."""
-        vocab = self.model.config.vocab_size
+        position, vocab id), whichever batch or step computes it. Else the next draws of this sampler's stream."""
+        vocab = self.weights.config.vocab_size
         if seeds is not None:
             return hashed_gumbel(seeds, positions[:, None] + torch.arange(steps)[None, :], vocab)
         return stream_gumbel(self.generator, (positions.shape[0], steps), vocab)
 
 
-def _run_threads(fn, n: int) -> list:
-    """fn(i) for i in range(n) on n threads; re-raises the first worker error."""
-    results: list = [None] * n
-    errors: list[BaseException] = []
+def _serve(worker: int, sampler: Sampler, tasks, inbox, outbox, max_batch_size: int, window_s: float,
+           parent: int) -> None:
+    """A worker process: run what is routed to it until told to stop (None).
 
-    def target(i: int) -> None:
-        # one intra-op thread per worker: the workers are the parallelism (a new thread's own OpenMP
-        # team would otherwise oversubscribe the cores: measured 2.8x slower on 2 cores)
-        torch.set_num_threads(1)
+    Fixed routing: `tasks` brings (call, stream seed, params, [(batch no, [(index, request)])]). Dynamic:
+    prompt groups (call, stream seed, params, [(index, request)]) arrive on the shared `inbox`. Each batch's results
+    go back on `outbox` as (call, worker, kind, payload). A worker whose engine process is gone exits
+    (a forked worker would otherwise keep that process's sockets open, e.g. a killed server's port).
+    """
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(sampler.ops is BATCH_INVARIANT_OPS)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    sampler.generator = torch.Generator()
+    current, carry = None, None
+
+    def start(call, stream_seed, params) -> None:
+        nonlocal current
+        if call != current:  # a new generate call: this worker's stream restarts from the engine's draw
+            sampler.generator.manual_seed((stream_seed + worker) % 2**63)
+            sampler.params, current = params, call
+
+    def run(call, items) -> None:
         try:
-            results[i] = fn(i)
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            errors.append(e)
+            results = sampler.run_batch([r for _, r in items])
+            outbox.put((call, worker, "batch", [(i, r.tokens, r.logprobs, r.finish_reason)
+                                                for (i, _), r in zip(items, results)]))
+        except Exception:  # noqa: BLE001 - the engine raises it
+            outbox.put((call, worker, "error", traceback.format_exc()))
 
-    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+    def wait(q):
+        while True:
+            try:
+                return q.get(timeout=_POLL_S)
+            except queue.Empty:
+                if os.getppid() != parent:
+                    os._exit(0)
+
+    while True:
+        if tasks is not None:
+            msg = wait(tasks)
+            if msg is None:
+                return
+            call, stream_seed, params, batches = msg
+            start(call, stream_seed, params)
+            for _, items in batches:
+                run(call, items)
+            continue
+        group = carry or wait(inbox)
+        if group is None:
+            return
+        carry, stop = None, False
+        call, stream_seed, params, items = group
+        deadline = time.perf_counter() + window_s  # what arrives within the window, up to a full batch
+        while len(items) < max_batch_size:
+            try:
+                nxt = inbox.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                break
+            if nxt is None:
+                stop = True
+                break
+            if len(items) + len(nxt[3]) > max_batch_size:
+                carry = nxt  # does not fit: it starts this worker's next batch
+                break
+            items = items + nxt[3]
+        start(call, stream_seed, params)
+        if sampler.abort.is_set():  # cut: queued requests come back unstarted
+            outbox.put((call, worker, "unstarted", [(i, [], [], "abort") for i, _ in items]))
+        else:
+            run(call, items)
+        if stop:
+            return
+
+
+class EmbeddedEngine:
+    """Holds its own copy of the policy weights (synced by `update_weights`, as a serving engine would).
+
+    The worker processes start at the first `generate` and stop at `close` (or when the engine is
+    collected, or at exit).
+    """
+
+    def __init__(self, model: torch.nn.Module, ops: Ops, ctx_len: int, params: SamplingParams, seed: int,
+                 num_workers: int = 1, max_batch_size: int = 64, fixed_routing: bool = True,
+                 batch_window_s: float = 0.002):
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers}: need at least 1")
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.ops, self.ctx_len, self.params = ops, ctx_len, params
+        self.num_workers, self.max_batch_size, self.fixed_routing = num_workers, max_batch_size, fixed_routing
+        self.batch_window_s = batch_window_s
+        # the weights the workers read: shared memory, overwritten in place at each sync
+        self.weights = fuse(self.model).map(lambda t: t.detach().clone().share_memory_())
+        self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)
+        self._ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
+        self._abort = self._ctx.Event()  # set: running batches stop at their next token, queued ones are not run
+        self.sampler = Sampler(self.weights, ops, ctx_len, params, torch.Generator().manual_seed(seed), self._abort)
+        self.batch_log: list[tuple[int, tuple[tuple[int, int], ...]]] = []  # (worker, uids) per batch run
+        self._procs: list = []
+        self._call = 0
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state_dict)
+        self.weights.copy_(fuse(self.model))
+
+    def run_batch(self, requests: list[Request]) -> list[Result]:
+        """One engine batch in this process (what a worker runs), in request order."""
+        self.sampler.params = self.params
+        return self.sampler.run_batch(requests)
+
+    def close(self) -> None:
+        if self._procs:
+            self._finalizer()
+            self._procs = []
+
+    def _start(self) -> None:
+        if self._procs and all(p.is_alive() for p in self._procs):
+            return
+        self.close()
+        self._outbox = self._ctx.Queue()
+        self._tasks = [self._ctx.Queue() for _ in range(self.num_workers)] if self.fixed_routing else None
+        self._inbox = None if self.fixed_routing else self._ctx.Queue()
+        for w in range(self.num_workers):
+            sampler = Sampler(self.weights, self.ops, self.ctx_len, self.params, None, self._abort)
+            tasks = self._tasks[w] if self._tasks else None
+            p = self._ctx.Process(target=_serve, args=(w, sampler, tasks, self._inbox, self._outbox,
+                                                       self.max_batch_size, self.batch_window_s, os.getpid()),
+                                  daemon=True)
+            p.start()
+            self._procs.append(p)
+        self._finalizer = weakref.finalize(self, _shutdown, list(self._procs), self._tasks, self._inbox)
+
+    def generate(self, requests: list[Request], stop_when=None) -> list[Result]:
+        """All requests through the workers. Fixed routing: results in request order; else completion order.
+
+        `stop_when(results_so_far) -> bool` (dynamic routing only) is checked as batches complete; once
+        true, running batches are cut at their next token and queued requests come back unstarted, all
+        with finish reason "abort" (an async system's cut of a partial rollout).
+        """
+        self.batch_log = []
+        self._abort.clear()
+        if not requests:
+            return []
+        if self.fixed_routing and stop_when is not None:
+            raise ValueError("stop_when needs dynamic routing; with fixed routing cut by token budget")
+        self._start()
+        self._call += 1
+        head = (self._call, int(torch.randint(0, 2**62, (1,), generator=self.generator)), self.params)
+        indexed = list(enumerate(requests))
+        if self.fixed_routing:
+            # the fixed rule: requests in submission order, cut into full batches, batch j -> worker j % W
+            batches = [indexed[lo : lo + self.max_batch_size] for lo in range(0, len(indexed), self.max_batch_size)]
+            for w, tasks in enumerate(self._tasks):
+                tasks.put((*head, [(j, batches[j]) for j in range(w, len(batches), self.num_workers)]))
+        else:  # requests arrive one prompt group at a time (at most a batch each)
+            groups: list[list] = []
+            for i, r in indexed:
+                if not groups or r.prompt_uid != groups[-1][-1][1].prompt_uid or len(groups[-1]) == self.max_batch_size:
+                    groups.append([])
+                groups[-1].append((i, r))
+            for g in groups:
+                self._inbox.put((*head, g))
+        done: list[Result] = []
+        while len(done) < len(requests):
+            worker, kind, payload = self._receive()
+            results = [Result(requests[i], tokens, logps, reason) for i, tokens, logps, reason in payload]
+            if kind == "batch":
+                self.batch_log.append((worker, tuple(r.uid for r in results)))
+            done += results  # completion order
+            if stop_when is not None and not self._abort.is_set() and stop_when(done):
+                self._abort.set()
+        if self.fixed_routing:
+            by_uid = {r.uid: r for r in done}
+            return [by_uid[r.uid] for r in requests]
+        return done
+
+    def _receive(self):
+        """The next batch of this call from any worker; a worker's error or death raises here."""
+        while True:
+            try:
+                call, worker, kind, payload = self._outbox.get(timeout=_POLL_S)
+            except queue.Empty:
+                dead = [(w, p.exitcode) for w, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    self.close()
+                    raise RuntimeError(f"rollout worker {dead[0][0]} exited (code {dead[0][1]})") from None
+                continue
+            if call != self._call:
+                continue  # left over from a call that raised
+            if kind == "error":
+                raise RuntimeError(f"rollout worker {worker} failed:\n{payload}")
+            return worker, kind, payload
+
+
+def _shutdown(procs, tasks, inbox) -> None:
+    for q in tasks or [inbox] * len(procs):
+        q.put(None)
+    for p in procs:
+        p.join(timeout=2.0)
+        if p.is_alive():
+            p.terminate()
