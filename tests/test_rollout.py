@@ -1,10 +1,13 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from detrl.config import ModelConfig
 from detrl.determinism import Determinism
 from detrl.models import BATCH_INVARIANT_OPS, DEFAULT_OPS, build_model
 from detrl.rollout import EmbeddedEngine, Request, SamplingParams
+from detrl.rollout.embedded import _fixed_batches
 from detrl.rollout.sampling import hashed_uniform, top_p_mask
 
 EOS = 2
@@ -152,3 +155,41 @@ def test_dynamic_engine_cut_returns_partial_and_unstarted_requests_as_abort():
     assert len(res) == 10
     assert sum(r.finish_reason != "abort" for r in res) >= 2
     assert any(r.finish_reason == "abort" and not r.tokens for r in res)  # never started
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 300), workers=st.integers(1, 4), cap=st.integers(1, 70))
+def test_the_fixed_rule_cuts_near_equal_batches_that_keep_every_worker_busy(n, workers, cap):
+    batches = _fixed_batches(list(range(n)), workers, cap)
+    sizes = [len(b) for b in batches]
+    assert [x for b in batches for x in b] == list(range(n))  # submission order, every item once
+    assert max(sizes) <= cap and max(sizes) - min(sizes) <= 1
+    assert len(batches) % workers == 0 or len(batches) == n  # whole rounds over the workers (or one item each)
+    assert len(batches) < -(-n // cap) + workers  # no more rounds than the cap needs
+
+
+def test_workers_see_each_weight_sync_and_a_dead_worker_is_replaced():
+    """The workers read the weights from shared memory: after update_weights they sample from the new
+    policy, bit for bit what a fresh engine on that policy samples; a killed worker is restarted."""
+    params = SamplingParams(1.0, 1.0, 8, (EOS,))
+    first, second = build_model(ModelConfig(), seed=0), build_model(ModelConfig(), seed=1)
+    reqs = _requests(12)
+    eng = EmbeddedEngine(first, BATCH_INVARIANT_OPS, CTX, params, seed=0, num_workers=2, max_batch_size=4)
+    before = [(r.tokens, r.logprobs) for r in eng.generate(reqs)]
+    eng.update_weights(second.state_dict())
+    after = [(r.tokens, r.logprobs) for r in eng.generate(reqs)]
+    fresh = EmbeddedEngine(second, BATCH_INVARIANT_OPS, CTX, params, seed=0, num_workers=1)
+    assert after == [(r.tokens, r.logprobs) for r in fresh.generate(reqs)] != before
+    eng._procs[0].kill()
+    eng._procs[0].join()
+    assert [(r.tokens, r.logprobs) for r in eng.generate(reqs)] == after
+    procs = eng._procs
+    eng.close()
+    fresh.close()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_a_request_too_long_for_the_context_fails_in_the_caller_with_one_line():
+    eng = _engine()
+    with pytest.raises(ValueError, match="exceeds ctx_len 16"):
+        eng.generate([Request(0, 0, tuple(range(3, 13)), 1)])

@@ -3,7 +3,7 @@
 A checkpoint is `<run_dir>/checkpoints/step-<N>/state.pt`, written to a temp dir and renamed into place,
 so a run killed mid-write leaves the previous checkpoint intact (a leftover `.tmp-*` dir is ignored).
 It holds the policy, the optimizer, the reference model, every RNG state (python, numpy, torch, the
-engine's shared stream), the data position, the partial-rollout buffer, the step, the reward curve and
+engine's stream), the data position, the partial-rollout buffer, the step, the reward curve and
 the W&B run id, plus the resolved config that made it.
 """
 

@@ -119,7 +119,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 4
-    num_workers: int = 2  # concurrent engine workers (threads), each batching what is routed to it
+    num_workers: int = 2  # engine worker processes (replicas), each batching what is routed to it
     max_batch_size: int = 64  # requests per engine batch
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)

@@ -2,14 +2,15 @@
 
 | source              | off (torch defaults, as real systems run)  | on                                           |
 |---------------------|--------------------------------------------|----------------------------------------------|
-| sampling RNG        | one shared stream, in call order           | per-sample seed = hash(seed, step, uid, idx) |
+| sampling RNG        | each worker's stream, in the order its     | per-sample seed = hash(seed, step, uid, idx) |
+|                     | batches run                                |                                              |
 | result order        | completion order                           | submission order (data position, sample idx) |
 | routing to workers  | first free worker, dynamic batches         | submission order in full batches, batch j -> |
 |                     |                                            | worker j mod num_workers                     |
 | kernels             | F.linear / SDPA / F.silu / grouped MoE     | batch-invariant ops (detrl.models.ops)       |
 | MoE dispatch        | gather per expert, index_add_              | all experts, fixed ascending combine         |
-| torch               | defaults                                   | deterministic algorithms, CUBLAS workspace,  |
-|                     |                                            | TF32 off                                     |
+| torch               | defaults                                   | deterministic algorithms (no NaN-fill of     |
+|                     |                                            | torch.empty), CUBLAS workspace, TF32 off     |
 Both modes seed python, numpy and torch from the run seed: `off` releases pins, it never adds noise.
 """
 
@@ -51,7 +52,7 @@ class Determinism:
         return stable_hash("prompt", self.seed, data_position)
 
     def sampling_seed(self, step: int, prompt_uid: int, sample_index: int) -> int | None:
-        """Per-sample seed when on; None (the engine's shared stream) when off."""
+        """Per-sample seed when on; None (the engine's streams) when off."""
         if not self.enabled:
             return None
         return stable_hash("sample", self.seed, step, prompt_uid, sample_index)

@@ -61,14 +61,13 @@ def _gemm_is_row_invariant(k: int, n: int, dtype: torch.dtype) -> bool:
 
 def bi_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T with per-row results independent of the number of rows. x (..., K), w (N, K)."""
-    *lead, k = x.shape
+    k = x.shape[-1]
+    invariant = _gemm_is_row_invariant(k, w.shape[0], x.dtype)
+    if invariant and x.numel() >= ROW_TILE * k:
+        return F.linear(x, w)
     rows = x.reshape(-1, k)  # [M, K]
-    m = rows.shape[0]
-    if _gemm_is_row_invariant(k, w.shape[0], x.dtype):
-        out = F.linear(_pad_rows(rows), w)[:m] if m < ROW_TILE else F.linear(rows, w)
-    else:
-        out = _tiled_linear(rows, w)
-    return out.reshape(*lead, w.shape[0])
+    out = F.linear(_pad_rows(rows), w)[: rows.shape[0]] if invariant else _tiled_linear(rows, w)
+    return out.reshape(*x.shape[:-1], w.shape[0])
 
 
 def _pad_rows(a: torch.Tensor) -> torch.Tensor:

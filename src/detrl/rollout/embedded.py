@@ -6,11 +6,11 @@ decode step is many small ops, and threads serialise on the GIL: measured, two t
 slower than one thread ran them in turn). Each runs a KV-cache sampler over the functional Qwen3
 forward on batches of up to `max_batch_size` requests, reading the policy weights from shared memory
 that `update_weights` overwrites in place. With `fixed_routing` (determinism on) the requests, in
-submission order, are cut into full batches and batch j goes to worker j mod num_workers. Without it
-(off) prompt groups go to a shared queue, a free worker takes what arrives within a short batching
-window (first free, dynamic batch composition), and results come back in completion order. Unseeded requests
-draw from the serving worker's own stream, reseeded at each call from the engine's `generator` (the
-state a checkpoint saves).
+submission order, are cut into near-equal batches, as many as keep every worker busy, and batch j
+goes to worker j mod num_workers. Without it (off) prompt groups go to a shared queue, a free worker
+takes what arrives within a short batching window (first free, dynamic batch composition), and
+results come back in completion order. Unseeded requests draw from the serving worker's own stream,
+reseeded at each call from the engine's `generator` (the state a checkpoint saves).
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ class Sampler:
         lens = torch.tensor([len(c) for c in ctxs])  # [B]
         room = [p.max_new_tokens - len(r.prefix) for r in requests]  # tokens left before "length"
         limit = [min(m, r.max_new_tokens) if r.max_new_tokens is not None else m for m, r in zip(room, requests)]
-        if max(len(r.prompt_ids) for r in requests) + p.max_new_tokens > self.ctx_len:
-            raise ValueError(f"a prompt + {p.max_new_tokens} new tokens exceeds ctx_len {self.ctx_len}")
+        _check_fits(requests, p, self.ctx_len)
         prompts = torch.zeros(b, int(lens.max()), dtype=torch.long)  # right-padded [B, P]
         for i, c in enumerate(ctxs):
             prompts[i, : len(c)] = torch.tensor(c)
@@ -198,7 +197,7 @@ class EmbeddedEngine:
 
     def __init__(self, model: torch.nn.Module, ops: Ops, ctx_len: int, params: SamplingParams, seed: int,
                  num_workers: int = 1, max_batch_size: int = 64, fixed_routing: bool = True,
-                 batch_window_s: float = 0.002):
+                 batch_window_s: float = 0.0005):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}: need at least 1")
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -259,13 +258,13 @@ class EmbeddedEngine:
             return []
         if self.fixed_routing and stop_when is not None:
             raise ValueError("stop_when needs dynamic routing; with fixed routing cut by token budget")
+        _check_fits(requests, self.params, self.ctx_len)
         self._start()
         self._call += 1
         head = (self._call, int(torch.randint(0, 2**62, (1,), generator=self.generator)), self.params)
         indexed = list(enumerate(requests))
         if self.fixed_routing:
-            # the fixed rule: requests in submission order, cut into full batches, batch j -> worker j % W
-            batches = [indexed[lo : lo + self.max_batch_size] for lo in range(0, len(indexed), self.max_batch_size)]
+            batches = _fixed_batches(indexed, self.num_workers, self.max_batch_size)
             for w, tasks in enumerate(self._tasks):
                 tasks.put((*head, [(j, batches[j]) for j in range(w, len(batches), self.num_workers)]))
         else:  # requests arrive one prompt group at a time (at most a batch each)
@@ -306,6 +305,20 @@ class EmbeddedEngine:
             if kind == "error":
                 raise RuntimeError(f"rollout worker {worker} failed:\n{payload}")
             return worker, kind, payload
+
+
+def _check_fits(requests: list[Request], params: SamplingParams, ctx_len: int) -> None:
+    if max(len(r.prompt_ids) for r in requests) + params.max_new_tokens > ctx_len:
+        raise ValueError(f"a prompt + {params.max_new_tokens} new tokens exceeds ctx_len {ctx_len}")
+
+
+def _fixed_batches(items: list, workers: int, cap: int) -> list[list]:
+    """The fixed rule: items in submission order, cut into the fewest near-equal batches of <= cap that
+    keep every worker busy (a multiple of `workers` batches), batch j -> worker j % workers. It depends on
+    the request count only; with batch-invariant ops the bits do not depend on it at all."""
+    k = min(len(items), -(-max(1, -(-len(items) // cap)) // workers) * workers)
+    bounds = [round(j * len(items) / k) for j in range(k + 1)]
+    return [items[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
 
 
 def _shutdown(procs, tasks, inbox) -> None:
