@@ -19,6 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import detrl  # noqa: E402, F401 - before torch: it sets how idle OpenMP threads wait (detrl/__init__.py)
+
+# isort: split
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
