@@ -23,12 +23,15 @@ import detrl  # noqa: E402, F401 - before torch: it sets how idle OpenMP threads
 
 # isort: split
 import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
 from detrl.config import ModelConfig  # noqa: E402
 from detrl.data import ArithmeticTask, build_tokenizer  # noqa: E402
 from detrl.determinism import setup  # noqa: E402
 from detrl.rollout import EmbeddedEngine, Request, SamplingParams  # noqa: E402
 from detrl.warmstart import encode  # noqa: E402
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def main() -> None:
@@ -37,8 +40,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (rollout.n)")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--workers", type=int, default=2, help="engine workers (rollout.num_workers)")
-    ap.add_argument("--max-batch-size", type=int, default=64, help="engine batch cap (rollout.max_batch_size)")
+    default = OmegaConf.load(CONF / "rollout" / "embedded.yaml")  # the engine as a default run builds it
+    ap.add_argument("--workers", type=int, default=default.num_workers, help="engine workers (rollout.num_workers)")
+    ap.add_argument("--max-batch-size", type=int, default=default.max_batch_size,
+                    help="engine batch cap (rollout.max_batch_size)")
     args = ap.parse_args()
     from detrl.models.build import build_model
 

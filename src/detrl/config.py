@@ -120,7 +120,7 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 4
     num_workers: int = 2  # engine worker processes (replicas), each batching what is routed to it
-    max_batch_size: int = 64  # requests per engine batch
+    max_batch_size: int = 128  # requests per engine batch
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
