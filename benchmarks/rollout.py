@@ -82,8 +82,8 @@ def main() -> None:
         t = time.perf_counter()
         with torch.no_grad():
             out = model.generate(input_ids=left, attention_mask=attn, do_sample=True, max_new_tokens=args.new_tokens,
-                                 min_new_tokens=args.new_tokens, pad_token_id=0, num_return_sequences=args.n, temperature=1.0, top_p=1.0,
-                                 top_k=0)
+                                 min_new_tokens=args.new_tokens, num_return_sequences=args.n, pad_token_id=0,
+                                 temperature=1.0, top_p=1.0, top_k=0)
         assert out.shape == (len(prompts) * args.n, width + args.new_tokens)
         return time.perf_counter() - t
 

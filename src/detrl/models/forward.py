@@ -49,15 +49,16 @@ class Weights:
         layers = [LayerWeights(**{f.name: each(getattr(lw, f.name)) for f in fields(LayerWeights)}) for lw in self.layers]
         return Weights(fn(self.embed), layers, fn(self.norm), fn(self.lm_head), self.config)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor, in a fixed order (two Weights of one model line up)."""
+        per_layer = [getattr(lw, f.name) for lw in self.layers for f in fields(LayerWeights)]
+        return [self.embed, self.norm, self.lm_head, *(t for t in per_layer if t is not None)]
+
     def copy_(self, other: Weights) -> None:
         """Overwrite these tensors in place with other's values (a weight sync that readers see)."""
-        pairs = [(self.embed, other.embed), (self.norm, other.norm), (self.lm_head, other.lm_head)]
-        for mine, theirs in zip(self.layers, other.layers):
-            pairs += [(getattr(mine, f.name), getattr(theirs, f.name)) for f in fields(LayerWeights)]
         with torch.no_grad():
-            for dst, src in pairs:
-                if dst is not None:
-                    dst.copy_(src)
+            for dst, src in zip(self.tensors(), other.tensors(), strict=True):
+                dst.copy_(src)
 
 
 def fuse(model) -> Weights:
@@ -66,19 +67,18 @@ def fuse(model) -> Weights:
     layers = []
     for layer in inner.layers:
         a, mlp = layer.self_attn, layer.mlp
-        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-        lw = LayerWeights(
+        if hasattr(mlp, "experts"):  # Qwen3-MoE: the experts' gate/up are stacked already
+            gate_up, down, router = mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight
+        else:
+            gate_up, down, router = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight, None
+        layers.append(LayerWeights(
             input_norm=layer.input_layernorm.weight,
             qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-            qk_norm=torch.cat([a.q_norm.weight.expand(heads, -1), a.k_norm.weight.expand(kv_heads, -1)]),
+            qk_norm=torch.cat([a.q_norm.weight.expand(c.num_attention_heads, -1),
+                               a.k_norm.weight.expand(c.num_key_value_heads, -1)]),
             o=a.o_proj.weight,
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=None, down=None)
-        if hasattr(mlp, "experts"):
-            lw.gate_up, lw.down, lw.router = mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight
-        else:
-            lw.gate_up, lw.down = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight
-        layers.append(lw)
+            gate_up=gate_up, down=down, router=router))
     return Weights(inner.embed_tokens.weight, layers, inner.norm.weight, model.lm_head.weight, c)
 
 
