@@ -1,35 +1,58 @@
 # detrl — `make help` lists the targets.
-PYTHON ?= python
+# Everything runs in a project virtual environment, .venv/ (created on first use, git-ignored), so neither the
+# machine's global site-packages nor a user's can make a run pass or fail. `source .venv/bin/activate` to use it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
 # the CPU build of torch that this project is tested with; override on GPU machines (TORCH="torch")
 TORCH ?= torch==2.13.0
+# SGLang's classes for the contract tests, without its dependencies (it would replace torch and transformers),
+# plus every third-party module that the sglang modules the contract tests load import at module level
+# (listed from SGLang 0.5.23's own files by tests/sglang_imports.py, which a test re-runs)
+SGLANG := sglang==0.5.23 triton==3.9.0
+SGLANG_IMPORTS := ipython pillow aiohttp msgspec numpy orjson packaging psutil pybase64 pydantic requests \
+	starlette tqdm typing-extensions pyzmq
 
-.PHONY: help install install-test train test lint format matrix
+.PHONY: help install install-test train test lint format matrix clean-venv
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
-install:  ## install detrl (editable)
-	$(PYTHON) -m pip install -q "$(TORCH)" -e .
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
 
-install-test: install  ## install the test tools, and SGLang's classes for the contract tests (never its dependencies)
-	$(PYTHON) -m pip install -q -e ".[test]"
-	$(PYTHON) -m pip install -q --no-deps "sglang==0.5.23" "triton==3.9.0"
-	$(PYTHON) -m pip install -q pybase64 msgspec aiohttp orjson  # what its server_args and sampling_params import
+$(VENV)/.installed: $(PY) pyproject.toml
+	$(PY) -m pip install -q "$(TORCH)" -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps $(SGLANG)
+	$(PY) -m pip install -q $(SGLANG_IMPORTS)
+	touch $@
+
+install: $(VENV)/.installed  ## create .venv (once) and install detrl into it (editable)
+
+install-test: $(VENV)/.installed-test  ## ... plus the test tools and SGLang's classes for the contract tests
 
 train: install  ## set up, then train the default: tiny Qwen3, GRPO, determinism on, CPU (~20 s)
-	$(PYTHON) train.py
+	$(PY) train.py
 
-test: install-test  ## set up, then run the test suite (CPU; GPU-only tests skip)
-	DETRL_REQUIRE_SGLANG=1 $(PYTHON) -m pytest -q
+test: install-test  ## set up, then run the test suite (CPU; tests marked gpu skip without CUDA)
+	DETRL_REQUIRE_SGLANG=1 $(PY) -m pytest -q
 
-lint:  ## ruff
-	$(PYTHON) -m ruff check src tests train.py benchmarks
+lint: install-test  ## ruff
+	$(PY) -m ruff check src tests train.py benchmarks
 
-format:  ## ruff format + import order
-	$(PYTHON) -m ruff check --fix src tests train.py benchmarks
-	$(PYTHON) -m ruff format src tests train.py benchmarks
+format: install-test  ## ruff format + import order
+	$(PY) -m ruff check --fix src tests train.py benchmarks
+	$(PY) -m ruff format src tests train.py benchmarks
 
 matrix: install  ## run the determinism_matrix study, then render its report into docs/determinism_matrix/
 	rm -rf outputs/sweeps/determinism_matrix_latest
-	$(PYTHON) train.py -m experiment=determinism_matrix hydra.sweep.dir=outputs/sweeps/determinism_matrix_latest
-	$(PYTHON) -m detrl.report outputs/sweeps/determinism_matrix_latest --out docs/determinism_matrix
+	$(PY) train.py -m experiment=determinism_matrix hydra.sweep.dir=outputs/sweeps/determinism_matrix_latest
+	$(PY) -m detrl.report outputs/sweeps/determinism_matrix_latest --out docs/determinism_matrix
+
+clean-venv:  ## remove .venv (the next make target rebuilds it from nothing)
+	rm -rf $(VENV)

@@ -52,3 +52,16 @@ def test_our_sampling_params_pass_sglang_verify():
     assert payload["sampling_params"][1]["max_new_tokens"] == 1
     with pytest.raises(ValueError):
         SGLangSamplingParams(**{**payload["sampling_params"][0], "top_p": 0.0}).verify(64)
+
+
+def test_the_makefile_installs_every_module_sglang_imports():
+    """`make test` installs SGLang with --no-deps: a module it imports that the Makefile does not name arrives only
+    by accident (psutil did, through another package, on one machine and not on another)."""
+    import re
+    from pathlib import Path
+
+    from tests.sglang_imports import distributions
+
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    named = set(re.search(r"SGLANG_IMPORTS := ((?:.*\\\n)*.*)", makefile).group(1).replace("\\\n", " ").split())
+    assert distributions() <= named, f"add to SGLANG_IMPORTS in the Makefile: {sorted(distributions() - named)}"
