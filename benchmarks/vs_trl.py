@@ -4,8 +4,12 @@
 
 Same model (tiny dense Qwen3 from conf/model/qwen3.yaml, same seed-0 init), same prompts (8 arithmetic
 prompts per step), 4 samples each, up to 16 new tokens, GRPO without a reference model, one optimizer
-step per rollout batch, CPU. Runs alternate (detrl off, detrl on, TRL) for `--rounds` rounds; the
-first 2 steps of every run are warm-up; the table shows the median step time over the rest.
+step per rollout batch, CPU, and the same numerics: fp32 weights and compute, no autocast, no activation
+recomputation. TRL's GRPOConfig defaults are GPU defaults (bf16=True autocast, gradient_checkpointing=True):
+the matched row turns both off; a second TRL row keeps its defaults, for reference only (other work).
+Runs alternate (detrl off, detrl on, TRL matched, TRL defaults) for `--rounds` rounds; the first 2 steps
+of every run are warm-up; the table shows the median step time over the rest, and ratios against the
+matched TRL row.
 """
 
 from __future__ import annotations
@@ -47,10 +51,37 @@ def detrl_steps(determinism: str, steps: int, out: Path) -> list[float]:
     return [r["timing_s/step"] for r in load_metrics(out)][WARMUP:]
 
 
-def trl_steps(steps: int, out: Path) -> list[float]:
+# TRL with detrl's numerics: fp32, no autocast, no recomputation (its defaults are bf16=True and
+# gradient_checkpointing=True); TRL_DEFAULTS keeps those two at TRL's defaults (reference only)
+TRL_MATCHED = dict(bf16=False, gradient_checkpointing=False)
+TRL_DEFAULTS: dict = {}
+
+
+def trl_args(out: Path, steps: int, numerics: dict):
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES,
+        max_completion_length=NEW_TOKENS, beta=0.0, num_iterations=1, steps_per_generation=1,
+        gradient_accumulation_steps=1, learning_rate=1e-3, max_steps=steps, use_vllm=False, use_cpu=True,
+        report_to="none", save_strategy="no", logging_steps=10_000, disable_tqdm=True, shuffle_dataset=False,
+        temperature=1.0, seed=0, **numerics,
+    )
+
+
+def non_default_args(args) -> dict:
+    """The GRPOConfig fields this benchmark sets away from TRL's defaults (output_dir aside)."""
+    from trl import GRPOConfig
+
+    default = GRPOConfig(output_dir=args.output_dir)
+    return {k: v for k, v in vars(args).items() if k != "output_dir" and getattr(default, k, None) != v
+            and not k.startswith("_")}
+
+
+def trl_steps(steps: int, out: Path, numerics: dict) -> list[float]:
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     tok = build_tokenizer()
     task = ArithmeticTask(0, 9, ["+"], seed=0)
@@ -69,13 +100,7 @@ def trl_steps(steps: int, out: Path) -> list[float]:
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
 
-    args = GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES,
-        max_completion_length=NEW_TOKENS, beta=0.0, num_iterations=1, steps_per_generation=1,
-        gradient_accumulation_steps=1, learning_rate=1e-3, max_steps=steps, use_vllm=False, use_cpu=True,
-        report_to="none", save_strategy="no", logging_steps=10_000, disable_tqdm=True, shuffle_dataset=False,
-        temperature=1.0, seed=0,
-    )
+    args = trl_args(out, steps, numerics)
     model = build_model(ModelConfig(), seed=0)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
                           callbacks=[Timer()])
@@ -89,19 +114,33 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     register_configs()
-    times: dict[str, list[float]] = {"detrl (determinism=off)": [], "detrl (determinism=on)": [], "TRL GRPOTrainer": []}
+    matched = "TRL GRPOTrainer, same numerics (bf16=False, gradient_checkpointing=False)"
+    defaults = "TRL GRPOTrainer, its defaults (bf16=True autocast, gradient_checkpointing=True): reference only"
+    times: dict[str, list[float]] = {"detrl, determinism=off": [], "detrl, determinism=on": [], matched: [],
+                                     defaults: []}
+    per_round: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            times["detrl (determinism=off)"] += detrl_steps("off", args.steps, Path(tmp) / f"off{r}")
-            times["detrl (determinism=on)"] += detrl_steps("on", args.steps, Path(tmp) / f"on{r}")
-            times["TRL GRPOTrainer"] += trl_steps(args.steps, Path(tmp) / f"trl{r}")
-    trl = statistics.median(times["TRL GRPOTrainer"])
+            this = {
+                "detrl, determinism=off": detrl_steps("off", args.steps, Path(tmp) / f"off{r}"),
+                "detrl, determinism=on": detrl_steps("on", args.steps, Path(tmp) / f"on{r}"),
+                matched: trl_steps(args.steps, Path(tmp) / f"trl{r}", TRL_MATCHED),
+                defaults: trl_steps(args.steps, Path(tmp) / f"trld{r}", TRL_DEFAULTS),
+            }
+            for k, v in this.items():
+                times[k] += v
+            per_round.append({k: statistics.median(v) for k, v in this.items()})
+        shown = non_default_args(trl_args(Path(tmp) / "args", args.steps, TRL_MATCHED))
+    print(f"\nTRL {__import__('trl').__version__} GRPOConfig arguments that differ from its defaults (matched row): "
+          + ", ".join(f"{k}={v!r}" for k, v in sorted(shown.items())))
+    trl = statistics.median(times[matched])
     print(f"\n{PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, GRPO, no reference model, CPU "
-          f"({torch.get_num_threads()} threads); median of {args.rounds} x {args.steps - WARMUP} steps\n")
-    print("| trainer | median step (s) | vs TRL |\n|---|---|---|")
+          f"({torch.get_num_threads()} threads), fp32; median of {args.rounds} x {args.steps - WARMUP} steps\n")
+    print("| trainer | median step (s) | vs TRL (same numerics) | per round |\n|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"| {name} | {med:.3f} | {med / trl:.2f}x |")
+        rounds = ", ".join(f"{pr[name] / pr[matched]:.2f}x" for pr in per_round)
+        print(f"| {name} | {med:.3f} | {med / trl:.2f}x | {rounds} |")
 
 
 if __name__ == "__main__":

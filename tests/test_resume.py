@@ -107,3 +107,21 @@ def test_checkpoint_holds_every_rng_and_the_optimizer(tmp_path):
     assert set(payload["rng"]) == {"python", "numpy", "torch", "engine"}
     assert payload["optimizer"]["state"] and payload["run"]["step"] == 3 and payload["run"]["data_pos"] > 0
     assert payload["run"]["wandb_id"]
+
+
+def test_a_fresh_run_in_a_used_run_dir_is_refused_and_loses_nothing(tmp_path):
+    from detrl.trainer import train
+
+    run_tiny(tmp_path)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"run_dir=.* already holds a run .* resume=auto"):
+        train(make_cfg(*TINY), tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert checkpoint.latest(tmp_path).name == "step-000003"
+
+
+def test_resume_auto_without_a_checkpoint_starts_clean(tmp_path):
+    # a run killed before its first checkpoint left rows behind: resume=auto starts over, without them
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "fp/params": "stale"}\n{"step": 2, "fp/params": "stale"}\n')
+    rows = run_tiny(tmp_path, "resume=auto")
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["fp/params"] != "stale" for r in rows)

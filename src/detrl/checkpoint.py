@@ -82,6 +82,23 @@ def resolve(resume: str | None, run_dir: Path) -> Path | None:
     return found
 
 
+def claim_run_dir(run_dir: Path, resume: str | None, checkpoint: Path | None) -> None:
+    """Before a run writes anything: a fresh run (no `resume`) refuses a run dir that holds another run's
+    metrics or checkpoints, which it would otherwise append to and leave for a later `resume=auto`.
+    `resume=auto` that found no checkpoint starts clean: a killed run's rows before its first checkpoint go."""
+    run_dir = Path(run_dir)
+    metrics, ckpts = run_dir / "metrics.jsonl", checkpoint_root(run_dir)
+    held = (metrics.is_file() and metrics.stat().st_size > 0) or any(ckpts.glob("step-*"))
+    if not held or checkpoint is not None:
+        return
+    if resume is None:
+        raise ConfigError(
+            f"run_dir={str(run_dir)!r} already holds a run (metrics.jsonl or checkpoints); "
+            "pass resume=auto to continue it, or choose another run_dir"
+        )
+    truncate_metrics(run_dir, 0)
+
+
 def _diff(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):

@@ -8,7 +8,9 @@
 | routing to workers  | first free worker, dynamic batches         | submission order in full batches, batch j -> |
 |                     |                                            | worker j mod num_workers                     |
 | kernels             | F.linear / SDPA / F.silu / grouped MoE     | batch-invariant ops (detrl.models.ops)       |
-| MoE dispatch        | gather per expert, index_add_              | all experts, fixed ascending combine         |
+| MoE routing         | torch.topk (ties as the kernel breaks them)| stable sort: ties -> lowest expert id        |
+| MoE dispatch        | gather per expert, index_add_ in ascending | the same grouping on batch-invariant gemms,  |
+|                     | id, default gemms                          | so a token's result ignores its expert-mates |
 | torch               | defaults                                   | deterministic algorithms (no NaN-fill of     |
 |                     |                                            | torch.empty), CUBLAS workspace, TF32 off     |
 Both modes seed python, numpy and torch from the run seed: `off` releases pins, it never adds noise.

@@ -197,6 +197,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     # --- a resume is checked before anything is written
     ckpt = checkpoint.resolve(cfg.resume, run_dir)
     payload = checkpoint.load(ckpt, config, cfg.checkpoint.allow_config_change) if ckpt else None
+    checkpoint.claim_run_dir(run_dir, cfg.resume, ckpt)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").unlink(missing_ok=True)  # this run is not complete until it says so again
     OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
@@ -220,7 +221,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
         checkpoint.truncate_metrics(run_dir, state.step)
         print(f"resuming from {ckpt} (step {state.step})")
     tracker = Tracker(run_dir, cfg.logger, run_name(cfg), group, config, tags=tags, job_type=cell_name(cfg),
-                      run_id=state.wandb_id)
+                      run_id=state.wandb_id, resume_step=state.step if payload is not None else None)
     data_pos, curve, exit_code = state.data_pos, state.curve, 1
     try:
         bar = tqdm(range(state.step + 1, cfg.steps + 1), desc=run_name(cfg), unit="step", dynamic_ncols=True,
