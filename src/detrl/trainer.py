@@ -168,9 +168,10 @@ def make_engine(cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingPa
     r = cfg.rollout
     if r.backend == "sglang":
         from detrl.rollout.sglang import SGLangEngine
-        from detrl.rollout.sglang_launch import launch, server_argv, sglang_version
+        from detrl.rollout.sglang_launch import launch, server_argv, sglang_dtype, sglang_version
 
         s, urls, procs = r.sglang, list(r.sglang.urls), []
+        dtype = next(model.parameters()).dtype  # served as is: rollout logprobs in the policy's precision
         if not urls:  # launch our own servers from the current policy
             sglang_version()  # one line telling how to install it, if it is not
             init = run_dir / "sglang-init"
@@ -178,13 +179,14 @@ def make_engine(cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingPa
             tokenizer.save_pretrained(init)
             for i in range(s.num_servers):
                 argv = server_argv(str(init), s.port + i, cfg.seed, det.enabled, s.attention_backend, s.tp_size,
-                                   s.rl_on_policy_target)
+                                   s.rl_on_policy_target, dtype=sglang_dtype(dtype))
                 procs.append(launch(argv, run_dir / f"sglang-{i}.log", s.gpu_ids[i] if i < len(s.gpu_ids) else None))
                 urls.append(f"http://127.0.0.1:{s.port + i}")
         if procs:
             atexit.register(lambda: [p.terminate() for p in procs if p.poll() is None])  # even if we crash early
         engine = SGLangEngine(urls, sampling, det.fixed_routing, r.max_batch_size, timeout_s=s.timeout_s,
-                              retries=s.retries, health_timeout_s=s.health_timeout_s, procs=procs)
+                              retries=s.retries, health_timeout_s=s.health_timeout_s, procs=procs,
+                              deterministic=det.enabled, dtype=dtype)
         engine.update_weights(model.state_dict())  # the servers start from the policy
         return engine
     return EmbeddedEngine(model, det.ops, ctx_len, sampling, seed=cfg.seed, num_workers=r.num_workers,

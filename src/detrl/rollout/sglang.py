@@ -3,14 +3,30 @@
 Attach with `rollout=sglang rollout.sglang.urls=[http://host:port,...]`. Same interface, ids, seeds and
 ordering as the embedded engine: per-sample `sampling_seed`, requests cut into batches in submission order
 with batch j -> server j mod S under fixed routing (determinism on), round-robin otherwise, results back
-in request order. Weights sync after each update through /update_weights_from_disk (+ flush_cache).
-Connection errors and 5xx are retried with backoff; a server that stays down fails with its URL named.
+in request order.
+
+Checked against SGLang 0.5.23 (paths relative to `sglang/srt/`):
+- On attach each server's `/server_info` (entrypoints/http_server.py `server_info`: the resolved ServerArgs) must
+  match the run: SGLang honours `sampling_seed` only with `enable_deterministic_inference` and then gives every
+  unseeded request seed 42 (sampling/sampling_batch_info.py `from_schedule_batch`). determinism=on needs a
+  deterministic server; determinism=off refuses one (rather than sending seeds of our own: an "off" run must
+  measure a server that is nondeterministic). A served dtype other than the policy's is refused too.
+- Weights sync through /update_weights_from_disk, which flushes the cache itself (flush_cache defaults to True;
+  managers/scheduler_components/weight_updater.py) and answers 400 {success: false, message} on failure.
+- Every /generate attempt has fresh rids: SGLang refuses a rid it still holds ("Duplicate request ID detected",
+  managers/tokenizer_manager.py `_init_req_state`), as it does the rids of an attempt that timed out, which we
+  abort. Connection errors, timeouts, 5xx and server-side aborts are retried with backoff; a 4xx is reported
+  in one line; a server that stays down fails with its URL named.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
 import time
+import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,28 +36,77 @@ from safetensors.torch import save_file
 
 from detrl.rollout.base import Request, Result, SamplingParams
 
+# ServerArgs --dtype values (arg_groups/fields/model.py) -> torch dtype; "auto" serves float32 checkpoints as float16
+# (configs/model_config.py `_get_and_verify_dtype`)
+_DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32,
+           "float32": torch.float32}
+
 
 class ServerError(RuntimeError):
     pass
 
 
+def _one_line(text: str, limit: int = 300) -> str:
+    return " ".join(str(text).split())[:limit]
+
+
+def _message(resp: httpx.Response) -> str:
+    """The error of an SGLang answer in one line: {"message"} (weight updates), {"error": {"message"}}
+    (http_server.py `_create_error_response`), {"detail"} (validation), or plain text (/flush_cache)."""
+    try:
+        j = resp.json()
+    except ValueError:
+        return _one_line(resp.text)
+    if isinstance(j, dict):
+        err = j.get("error")
+        j = j.get("message") or (err.get("message") if isinstance(err, dict) else err) or j.get("detail") or j
+    return _one_line(j)
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], directory: Path) -> Path:
+    """Write `state_dict` as `directory/model.safetensors`, the way SGLang's loader reads it.
+
+    Tied tensors (Qwen3-0.6B..4B: lm_head.weight is model.embed_tokens.weight) are written once, under the
+    first name in state_dict order, as transformers' save_pretrained does (it drops `_tied_weights_keys`):
+    safetensors refuses shared storage, and its save_model would keep the alphabetically first name,
+    lm_head.weight, which SGLang's tied Qwen3 skips (models/qwen3.py `load_weights`: no such parameter), leaving
+    the embeddings stale. Written to a side file and renamed, so a reader never sees half a file.
+    """
+    seen: set[tuple] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state_dict.items():
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if t.numel() and key in seen:
+            continue  # an alias of an earlier name
+        seen.add(key)
+        out[name] = t.detach().to("cpu").contiguous()
+    tmp = directory / "model.safetensors.partial"  # not *.safetensors: the loader globs those
+    save_file(out, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, directory / "model.safetensors")
+    return directory / "model.safetensors"
+
+
 class SGLangEngine:
     def __init__(self, urls: list[str], params: SamplingParams, fixed_routing: bool, max_batch_size: int = 64,
                  timeout_s: float = 120.0, retries: int = 3, backoff_s: float = 0.5, health_timeout_s: float = 60.0,
-                 procs: list | None = None):
+                 procs: list | None = None, deterministic: bool | None = None, dtype: torch.dtype | None = None):
         if not urls:
             raise ValueError("rollout.sglang.urls is empty")
         self.procs = list(procs or [])  # servers we launched: shut down by close()
         self.urls = [u.rstrip("/") for u in urls]
         self.params, self.fixed_routing, self.max_batch_size = params, fixed_routing, max_batch_size
+        self.deterministic = fixed_routing if deterministic is None else deterministic  # the run's determinism
+        self.dtype = dtype  # the policy's dtype: the servers must serve it (None: not checked)
         self.retries, self.backoff_s = retries, backoff_s
         self.client = httpx.Client(timeout=timeout_s)
         self.generator = torch.Generator()  # no shared stream on this side: kept for the checkpoint format
         self._weights_dir = Path(tempfile.mkdtemp(prefix="detrl-weights-"))
+        self._remove_weights = weakref.finalize(self, shutil.rmtree, str(self._weights_dir), True)  # also at exit
         self._version = 0
         try:
             for url in self.urls:
                 self._wait_healthy(url, health_timeout_s)
+                self._check_server(url)
         except BaseException:
             self.close()
             raise
@@ -59,23 +124,56 @@ class SGLangEngine:
                 raise ServerError(f"rollout server {url} exited while starting (see its sglang-*.log in the run dir)")
         raise ServerError(f"rollout server {url} is not healthy after {timeout_s:.0f} s (/health_generate)")
 
+    def _check_server(self, url: str) -> None:
+        """Refuse, in one line, a server whose sampling or dtype does not match this run."""
+        info = None
+        for path in ("/server_info", "/get_server_info"):  # the second: SGLang before /server_info existed
+            try:
+                resp = self.client.get(f"{url}{path}")
+            except httpx.HTTPError as e:
+                raise ServerError(f"rollout server {url}{path} failed: {e!r}") from e
+            if resp.status_code == 200:
+                info = resp.json()
+                break
+        if info is None:
+            raise ServerError(f"rollout server {url} answers neither /server_info nor /get_server_info: "
+                              "cannot check its enable_deterministic_inference")
+        server_det = bool(info.get("enable_deterministic_inference", False))
+        if self.deterministic and not server_det:
+            raise ServerError(f"rollout server {url} runs without --enable-deterministic-inference, so it ignores "
+                              "sampling_seed, but determinism=on: relaunch it with the flag (or train with "
+                              "determinism=off)")
+        if not self.deterministic and server_det:
+            raise ServerError(f"rollout server {url} runs with --enable-deterministic-inference, which gives every "
+                              "unseeded request sampling_seed 42 (n identical samples per prompt), but "
+                              "determinism=off: relaunch it without the flag (or train with determinism=on)")
+        served = str(info.get("dtype", "auto")).lower()
+        want = self.dtype
+        if want is not None and (_DTYPES.get(served, want) != want or (served == "auto" and want == torch.float32)):
+            name = str(want).removeprefix("torch.")
+            raise ServerError(f"rollout server {url} serves dtype {served!r} but the policy is {name} (SGLang's "
+                              f"'auto' serves a float32 checkpoint as float16): relaunch it with --dtype {name}")
+
     def _call(self, method: str, url: str, path: str, **kw):
+        """One JSON call, retried on connection errors and 5xx; a 4xx raises with the server's message."""
         last = None
         for attempt in range(self.retries + 1):
             try:
                 resp = self.client.request(method, f"{url}{path}", **kw)
-                if resp.status_code < 500:
-                    resp.raise_for_status()
-                    return resp.json()
-                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
-            except httpx.HTTPStatusError as e:
-                raise ServerError(f"rollout server {url}{path} refused the request: {e.response.text[:200]}") from e
             except httpx.HTTPError as e:
                 last = repr(e)
+            else:
+                if resp.status_code < 400:
+                    return resp.json() if resp.content else None
+                if resp.status_code < 500:
+                    raise ServerError(f"rollout server {url}{path} refused the request "
+                                      f"(HTTP {resp.status_code}): {_message(resp)}")
+                last = f"HTTP {resp.status_code}: {_message(resp)}"
             time.sleep(self.backoff_s * 2**attempt)
         raise ServerError(f"rollout server {url} failed {self.retries + 1} times on {path}: {last}")
 
     def _payload(self, batch: list[Request]) -> dict:
+        """One /generate body; its rids are new at every call (an attempt's rids are never reused)."""
         p = self.params
         sps = []
         for r in batch:
@@ -86,21 +184,69 @@ class SGLangEngine:
             if r.seed is not None:
                 sp["sampling_seed"] = r.seed
             sps.append(sp)
+        # SGLang's abort matches rids by prefix (scheduler.py abort_request: rid.startswith): a fixed-length
+        # suffix keeps one rid from being the prefix of another
+        attempt = uuid.uuid4().hex
         return {"input_ids": [list(r.prompt_ids + r.prefix) for r in batch], "sampling_params": sps,
-                "return_logprob": True, "rid": [f"{r.prompt_uid}-{r.sample_index}-{len(r.prefix)}" for r in batch]}
+                "return_logprob": True,
+                "rid": [f"{r.prompt_uid}-{r.sample_index}-{len(r.prefix)}-{attempt}" for r in batch]}
 
-    def _run(self, url: str, batch: list[Request]) -> list[Result]:
-        out = self._call("POST", url, "/generate", json=self._payload(batch))
+    def _abort(self, url: str, rids: list[str]) -> None:
+        """Best effort: free the rids of an attempt we gave up on (one AbortReq per rid, io_struct.py AbortReq)."""
+        for rid in rids:
+            try:
+                self.client.post(f"{url}/abort_request", json={"rid": rid}, timeout=5.0)
+            except httpx.HTTPError:
+                return
+
+    def _parse(self, batch: list[Request], out: list[dict]) -> tuple[list[Result], str | None]:
+        """Results of one /generate answer, or the message of a request the server aborted."""
         results = []
-        for r, item in zip(batch, out):
+        for r, item in zip(batch, out, strict=True):
             meta = item["meta_info"]
+            fr = meta.get("finish_reason")
+            kind = fr.get("type") if isinstance(fr, dict) else fr  # SGLang: {"type", "matched" | "length" | "message"}
+            if kind == "abort":
+                return [], _one_line(fr.get("message", "aborted") if isinstance(fr, dict) else "aborted")
             toks = [t for _, t, _ in meta["output_token_logprobs"]]
             lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
-            reason = meta["finish_reason"]["type"]
-            if reason == "length" and len(r.prefix) + len(toks) < self.params.max_new_tokens:
-                reason = "abort"  # cut by this call's budget, not by the response limit
+            if toks != item["output_ids"]:
+                raise ServerError(f"rollout server answered rid {meta.get('id')} with output_ids that its "
+                                  "output_token_logprobs do not list")
+            if kind == "stop":
+                reason = "stop"
+            elif kind == "length":
+                # the server's limit was this call's budget; "abort" = cut there unfinished (continued later)
+                reason = "length" if len(r.prefix) + len(toks) >= self.params.max_new_tokens else "abort"
+            else:
+                raise ServerError(f"rollout server answered rid {meta.get('id')} with finish_reason {fr!r}")
             results.append(Result(r, toks, lps, reason))
-        return results
+        return results, None
+
+    def _run(self, url: str, batch: list[Request]) -> list[Result]:
+        last = None
+        for attempt in range(self.retries + 1):
+            payload = self._payload(batch)
+            try:
+                resp = self.client.post(f"{url}/generate", json=payload)
+            except httpx.TimeoutException as e:
+                self._abort(url, payload["rid"])  # SGLang still holds them
+                last = f"timed out ({e!r})"
+            except httpx.HTTPError as e:
+                last = repr(e)
+            else:
+                if resp.status_code == 200:
+                    results, aborted = self._parse(batch, resp.json())
+                    if aborted is None:
+                        return results
+                    last = f"the server aborted the request: {aborted}"
+                elif resp.status_code < 500:
+                    raise ServerError(f"rollout server {url}/generate refused the request "
+                                      f"(HTTP {resp.status_code}): {_message(resp)}")
+                else:
+                    last = f"HTTP {resp.status_code}: {_message(resp)}"
+            time.sleep(self.backoff_s * 2**attempt)
+        raise ServerError(f"rollout server {url} failed {self.retries + 1} times on /generate: {last}")
 
     def generate(self, requests: list[Request], stop_when=None) -> list[Result]:
         if stop_when is not None:
@@ -112,19 +258,22 @@ class SGLangEngine:
         return [r for part in parts for r in part]
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Write the weights once, then have each server load them. SGLang flushes its cache in the same call
+        (flush_cache=True), and a failed load answers 400 with its message: reported, not retried."""
         self._version += 1
-        save_file({k: v.detach().contiguous() for k, v in state_dict.items()}, str(self._weights_dir / "model.safetensors"))
+        save_weights(state_dict, self._weights_dir)
         for url in self.urls:
             res = self._call("POST", url, "/update_weights_from_disk",
                              json={"model_path": str(self._weights_dir), "flush_cache": True,
                                    "weight_version": str(self._version)})
-            if not res.get("success", False):
-                raise ServerError(f"rollout server {url} could not load the weights: {res.get('message')}")
-            self._call("POST", url, "/flush_cache")
+            if not (res or {}).get("success", False):
+                raise ServerError(f"rollout server {url} could not load the weights: {_one_line((res or {}).get('message'))}")
 
     def close(self) -> None:
-        """Also on errors and Ctrl-C (the trainer calls it in `finally`): stop the servers we launched."""
+        """Also on errors and Ctrl-C (the trainer calls it in `finally`): stop the servers we launched and
+        remove the weights directory."""
         self.client.close()
+        self._remove_weights()
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()

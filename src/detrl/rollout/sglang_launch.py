@@ -21,10 +21,28 @@ INSTALL_HINT = ("rollout=sglang needs SGLang to launch servers: on a GPU machine
                 "or attach to running servers with rollout.sglang.urls=[http://host:port]")
 
 
+# torch dtype -> SGLang's --dtype choice (arg_groups/fields/model.py ServerArgs.dtype)
+SGLANG_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def sglang_dtype(dtype) -> str:
+    """The --dtype that serves a policy of torch dtype `dtype` as is (SGLang's default, "auto", serves a float32
+    checkpoint as float16: configs/model_config.py `_get_and_verify_dtype`)."""
+    try:
+        return SGLANG_DTYPES[str(dtype)]
+    except KeyError:
+        raise ConfigError(f"rollout=sglang cannot serve a policy in {dtype}: SGLang's --dtype is one of "
+                          f"{sorted(set(SGLANG_DTYPES.values()))}") from None
+
+
 def server_argv(model_path: str, port: int, seed: int, deterministic: bool, attention_backend: str,
-                tp_size: int = 1, rl_on_policy_target: bool = False, extra: list[str] | None = None) -> list[str]:
-    """`python -m sglang.launch_server` arguments for one server; `deterministic` adds SGLang's own switch."""
+                tp_size: int = 1, rl_on_policy_target: bool = False, extra: list[str] | None = None,
+                dtype: str | None = None) -> list[str]:
+    """`python -m sglang.launch_server` arguments for one server; `deterministic` adds SGLang's own switch,
+    `dtype` (see `sglang_dtype`) the served dtype."""
     argv = ["--model-path", model_path, "--port", str(port), "--random-seed", str(seed), "--tp-size", str(tp_size)]
+    if dtype is not None:
+        argv += ["--dtype", dtype]
     if deterministic:
         argv += ["--enable-deterministic-inference", "--attention-backend", attention_backend]
         if rl_on_policy_target:
