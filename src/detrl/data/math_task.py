@@ -30,9 +30,11 @@ def math_reward(response: str, gold: str) -> float:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     configs = [LatexExtractionConfig(), ExprExtractionConfig()]
-    target = parse(gold, extraction_config=configs, parsing_timeout=None)
-    if not target:  # plain LaTeX without $...$ (e.g. "\frac{1}{2}")
-        target = parse(f"${gold}$", extraction_config=configs, parsing_timeout=None)
+    # the gold is LaTeX without delimiters ("2\sqrt{2}", "\frac{1}{2}", "34"): read it as math first
+    target = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", extraction_config=configs,
+                   parsing_timeout=None)
+    if not target:
+        target = parse(gold, extraction_config=configs, parsing_timeout=None)
     if not target:
         raise ValueError(f"math-verify cannot parse the gold answer {gold!r}")
     pred = parse(response, extraction_config=configs, parsing_timeout=None)
