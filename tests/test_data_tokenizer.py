@@ -53,7 +53,7 @@ def test_matches_other_published_qwen_encodings(tok):
 def test_special_tokens_at_qwen3_ids(tok):
     assert len(tok) == 151669 and tok.bos_token_id is None
     assert (tok.eos_token, tok.eos_token_id, tok.pad_token, tok.pad_token_id) == ("<|im_end|>", 151645, "<|endoftext|>", 151643)
-    for token_id, content, special in ADDED_TOKENS:
+    for token_id, content, _special in ADDED_TOKENS:
         assert tok.convert_tokens_to_ids(content) == token_id
         assert tok.encode(f"a{content}b") == [64, token_id, 65]
     assert tok.decode([151644, 14990, 151645], skip_special_tokens=True) == "hello"

@@ -25,7 +25,6 @@ from detrl.models.ops import DEFAULT_OPS
 
 from .determinism import stable_hash
 
-
 _SFT_DATA_KEYS = ("name", "min_operand", "max_operand", "ops", "eval_fraction")
 
 

@@ -160,7 +160,16 @@ def _load_ranks(path: Path) -> dict[bytes, int]:
 
 def build_qwen3_tokenizer_uncached():
     """Build the tokenizer from the ranks (~20 s on one core)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
