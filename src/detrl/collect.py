@@ -15,10 +15,8 @@ import torch
 
 from detrl.algos import filter_groups, overlong_penalty
 from detrl.config import TrainConfig
-from detrl.data import exact_match_reward
 from detrl.rollout import Request, Result
 from detrl.rollout.partial import Group, PartialBuffer, Sample
-from detrl.warmstart import encode
 
 PARTIAL_KEYS = ("partial/carried", "partial/restarted", "partial/staleness_mean", "partial/staleness_max",
                 "partial/buffer_groups", "response/aborted_ratio")
@@ -59,16 +57,17 @@ class GroupSource:
         out = []
         for i, p in enumerate(self.task.batch(data_pos, count)):
             uid = self.det.prompt_uid(data_pos + i)
-            ids = tuple(encode(self.tokenizer, p.prompt))
+            ids = tuple(self.task.encode(self.tokenizer, p))  # the chat template applied when configured
             reqs = [Request(uid, k, ids, self.det.sampling_seed(step, uid, k)) for k in range(self.cfg.rollout.n)]
             out.append((uid, p.answer, reqs))
         return out
 
     def score(self, results: list[Result], answer: str) -> tuple[torch.Tensor, torch.Tensor]:
-        eos, ol = self.tokenizer.eos_token_id, self.cfg.algo.overlong
-        texts = self.tokenizer.batch_decode([[t for t in r.tokens if t != eos] for r in results],
-                                            skip_special_tokens=True)
-        correct = torch.tensor([exact_match_reward(t, answer) for t in texts])
+        ol = self.cfg.algo.overlong
+        # the response without its stop token (eos / <|im_end|> ...); a reward that raises or times out scores 0
+        texts = self.tokenizer.batch_decode([r.tokens[:-1] if r.finish_reason == "stop" else r.tokens
+                                             for r in results], skip_special_tokens=True)
+        correct = torch.tensor(self.task.score_texts(texts, answer))
         shaped = correct.clone()
         if ol.enabled:
             lengths = torch.tensor([len(r.tokens) for r in results])

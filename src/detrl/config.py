@@ -34,6 +34,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 64
     tie_word_embeddings: bool = False
+    # the Hugging Face attention kernel of the transformers model (eager | sdpa | flash_attention_2; None = its
+    # default). detrl's sampler and trainer run their own functional forward, so this only matters to code
+    # that calls the transformers module itself (e.g. an SGLang / HF export or a reference check)
+    attn_implementation: str | None = None
     # MoE only (qwen3_moe)
     num_experts: int = 4
     num_experts_per_tok: int = 2
@@ -127,11 +131,37 @@ class RolloutConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "arithmetic"
+    name: str = "arithmetic"  # arithmetic | gsm8k | math (src/detrl/data/registry.py)
+    # arithmetic only
     min_operand: int = 0
     max_operand: int = 9
     ops: list[str] = field(default_factory=lambda: ["+"])
+    # held-out share of the rows for evaluation when data.eval_path is not given (chosen by the seed)
     eval_fraction: float = 0.0
+    # gsm8k / math: local files read through `datasets` (a .parquet / .jsonl / .json file, or a dir of them)
+    path: str | None = None
+    eval_path: str | None = None
+    prompt_key: str | None = None  # column of the prompt (a dotted path reaches into a struct); None: the task's default
+    answer_key: str | None = None  # column of the gold answer; None: the task's default
+    prompt_template: str | None = None  # "{prompt}" stands for the row's prompt; None: the task's default
+    chat_template: bool = False  # render prompts with the tokenizer's chat template
+    enable_thinking: bool | None = None  # passed to the chat template (Qwen3's thinking switch); None: not passed
+    system_prompt: str | None = None
+    max_prompt_length: int = 0  # prompts longer than this many tokens are left out (0 = keep all)
+    shuffle: bool = True  # file tasks: the training order is a seeded shuffle of the rows
+    gsm8k_method: str = "flexible"  # strict (only "#### N") | flexible (then \\boxed{}, then the last number)
+    reward_timeout_s: float = 5.0  # a sample's reward running longer scores 0 and counts in reward/errors
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # evaluate on the eval split every N steps (and at the last step); 0 = never
+    n: int = 1  # samples per eval prompt
+    greedy: bool = True  # greedy decoding; false: sample with eval.temperature / eval.top_p
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_prompts: int = 0  # evaluate on the first N prompts of the eval split (0 = all)
+    batch_prompts: int = 64  # prompts per engine call (the progress bar advances per call)
 
 
 @dataclass
@@ -160,6 +190,7 @@ class TrainConfig:
     rollout: RolloutConfig = MISSING
     data: DataConfig = MISSING
     logger: LoggerConfig = MISSING
+    eval: EvalConfig = field(default_factory=EvalConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     experiment: str | None = None  # name of the experiment preset / study
@@ -245,7 +276,26 @@ def validate(cfg: TrainConfig) -> None:
     _choice("rollout.partial.stale_tokens", r.partial.stale_tokens, ("keep", "mask", "rescore"))
     _choice("rollout.partial.off_cut", r.partial.off_cut, ("groups", "time"))
     _check(r.partial.time_budget_s > 0, "rollout.partial.time_budget_s", r.partial.time_budget_s, "must be > 0")
-    _choice("data.name", cfg.data.name, ("arithmetic",))
+    _choice("data.name", cfg.data.name, ("arithmetic", "gsm8k", "math"))
+    d, ev = cfg.data, cfg.eval
+    if d.name != "arithmetic":
+        _check(d.path is not None, "data.path", d.path, f"data={d.name} reads local files: set data.path=/file/or/dir")
+        _check(m.path is not None or m.init == "random", "model.init", m.init,
+               f"the warm start is for data=arithmetic; with data={d.name} set model.path=/hf/dir or model.init=random")
+    _check(0 <= d.eval_fraction < 1, "data.eval_fraction", d.eval_fraction, "must be in [0, 1)")
+    _choice("data.gsm8k_method", d.gsm8k_method, ("strict", "flexible"))
+    _check(d.max_prompt_length >= 0, "data.max_prompt_length", d.max_prompt_length, "must be >= 0 (0 = keep all)")
+    _check(d.reward_timeout_s >= 0, "data.reward_timeout_s", d.reward_timeout_s, "must be >= 0 (0 = no limit)")
+    _check(ev.every >= 0, "eval.every", ev.every, "must be >= 0 (0 = never)")
+    _check(ev.n >= 1, "eval.n", ev.n, "must be >= 1")
+    _check(ev.temperature > 0, "eval.temperature", ev.temperature, "must be > 0")
+    _check(0 < ev.top_p <= 1, "eval.top_p", ev.top_p, "must be in (0, 1]")
+    _check(ev.max_prompts >= 0, "eval.max_prompts", ev.max_prompts, "must be >= 0 (0 = all)")
+    _check(ev.batch_prompts >= 1, "eval.batch_prompts", ev.batch_prompts, "must be >= 1")
+    _check(ev.every == 0 or d.name == "arithmetic" or d.eval_path is not None or d.eval_fraction > 0, "eval.every",
+           ev.every, "needs an eval split: set data.eval_path or data.eval_fraction > 0")
+    _choice("model.attn_implementation", m.attn_implementation,
+            (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"))
     _check(set(cfg.data.ops) <= {"+", "-", "*"} and len(cfg.data.ops) > 0, "data.ops", list(cfg.data.ops),
            "choose a non-empty subset of ['+', '-', '*']")
     _check(0 <= cfg.data.min_operand <= cfg.data.max_operand, "data.max_operand", cfg.data.max_operand,

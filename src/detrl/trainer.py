@@ -23,20 +23,23 @@ from detrl import determinism as det_mod
 from detrl.algos import ADV_ESTIMATORS, agg_loss, compute_policy_loss, kl_penalty
 from detrl.algos.core import entropy_from_logp, masked_mean
 from detrl.collect import GroupSource, StepBatch, collect, collect_partial
-from detrl.config import TrainConfig
-from detrl.data import ArithmeticTask, build_tokenizer
+from detrl.config import ConfigError, TrainConfig
+from detrl.data import build_task, stop_token_ids, tokenizer_for
+from detrl.evaluate import Evaluator
 from detrl.fingerprint import floats_digest, ints_digest, params_digest
-from detrl.models.build import build_model
+from detrl.models.build import build_model, checkpoint_architecture
 from detrl.models.forward import forward, rope_tables, token_logprobs
 from detrl.rollout import EmbeddedEngine, SamplingParams
 from detrl.rollout.partial import PartialBuffer
 from detrl.tracking import Tracker
-from detrl.warmstart import encode, load_or_build
+from detrl.warmstart import load_or_build
 
 
-def context_length(task: ArithmeticTask, tokenizer, max_new_tokens: int) -> int:
-    """The fixed key length shared by sampler and trainer: longest prompt + new tokens, rounded up to 8."""
-    longest = max(len(encode(tokenizer, task[i].prompt)) for i in range(len(task)))
+def context_length(task, tokenizer, max_new_tokens: int) -> int:
+    """The fixed key length shared by sampler and trainer: longest prompt (train and eval splits) + new tokens,
+    rounded up to 8."""
+    splits = [task] + ([task.eval_task] if getattr(task, "eval_task", None) is not None else [])
+    longest = max(len(ids) for t in splits for ids in t.encode_all(tokenizer))
     return -(-(longest + max_new_tokens) // 8) * 8
 
 
@@ -51,6 +54,7 @@ def run_name(cfg: TrainConfig) -> str:
 
 
 def load_policy(cfg: TrainConfig, tokenizer, task, ctx_len: int) -> torch.nn.Module:
+    """model.path's weights (float32), the cached warm start (arithmetic), or a fresh model from the seed."""
     if cfg.model.path is None and cfg.model.init == "warmstart":
         return load_or_build(cfg.model, cfg.data, cfg.warmstart, tokenizer, task, ctx_len)
     return build_model(cfg.model, seed=cfg.seed)
@@ -152,14 +156,19 @@ def rollout_metrics(batch: StepBatch, adv: torch.Tensor) -> dict[str, float | st
 def build(cfg: TrainConfig):
     """Seed, then the pieces every entrypoint needs: (determinism, tokenizer, task, ctx_len, policy, sampling)."""
     det = det_mod.setup(cfg.determinism.enabled, cfg.seed)
-    tokenizer = build_tokenizer()
-    task = ArithmeticTask(cfg.data.min_operand, cfg.data.max_operand, list(cfg.data.ops), seed=cfg.seed)
+    if cfg.model.path is not None:  # one line naming what the dir lacks, or its unsupported architecture
+        arch = checkpoint_architecture(cfg.model.path, need_tokenizer=True)
+        if arch != cfg.model.name:
+            raise ConfigError(f"model.path={cfg.model.path!r} holds a {arch} checkpoint; use model={arch} "
+                              f"(model.name={cfg.model.name!r})")
+    tokenizer = tokenizer_for(cfg)  # model.path's own tokenizer when given
+    task = build_task(cfg, tokenizer)  # the train split; its eval split is task.eval_task
     r = cfg.rollout
     ctx_len = context_length(task, tokenizer, r.max_new_tokens)
     model = load_policy(cfg, tokenizer, task, ctx_len)
     if model.config.vocab_size < len(tokenizer):
-        raise ValueError(f"model vocab_size={model.config.vocab_size} < tokenizer size {len(tokenizer)}")
-    sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, (tokenizer.eos_token_id,))
+        raise ConfigError(f"model.vocab_size={model.config.vocab_size} < the tokenizer's {len(tokenizer)} tokens")
+    sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, stop_token_ids(tokenizer, cfg.model.path))
     return det, tokenizer, task, ctx_len, model, sampling
 
 
@@ -216,6 +225,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     tags = [f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={cfg.determinism.name}",
             f"partial={cfg.rollout.partial.enabled}", f"repeat={cfg.repeat}"]
     source = GroupSource(det, task, tokenizer, cfg)
+    evaluator = Evaluator(cfg, source)  # eval/* every eval.every steps; reward/errors every step
     state = checkpoint.RunState(wandb_id=uuid.uuid4().hex[:8], buffer=PartialBuffer())
     if payload is not None:  # exact resume: weights, optimizer, RNGs, data position, buffer, curve
         state = checkpoint.restore(payload, model, opt, ref_model, engine.generator)
@@ -248,6 +258,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             metrics["timing_s/rollout"] = t_rollout
             metrics["timing_s/step"] = time.perf_counter() - t0
             metrics["perf/throughput"] = float(batch.mask.sum()) / metrics["timing_s/step"]
+            metrics.update(evaluator.step(step, engine))
             tracker.log(step, metrics)
             curve.append(metrics["critic/score/mean"])
             bar.set_postfix(reward=f"{curve[-1]:.3f}", step_s=f"{metrics['timing_s/step']:.2f}")

@@ -25,14 +25,18 @@ from detrl.models.ops import DEFAULT_OPS
 
 from .determinism import stable_hash
 
+_SFT_DATA_KEYS = ("name", "min_operand", "max_operand", "ops", "eval_fraction")
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("DETRL_CACHE_DIR", Path.home() / ".cache" / "detrl"))
 
 
 def warmstart_dir(model_cfg: ModelConfig, data_cfg: DataConfig, ws: WarmstartConfig, tokenizer) -> Path:
-    arch = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in ("path", "init")}
-    key = json.dumps([arch, dataclasses.asdict(data_cfg), dataclasses.asdict(ws), tokenizer.get_vocab(),
+    arch = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in ("path", "init", "attn_implementation")}
+    # the arithmetic task's fields only (the SFT's data): later data options leave existing caches valid
+    data = {k: v for k, v in dataclasses.asdict(data_cfg).items() if k in _SFT_DATA_KEYS}
+    key = json.dumps([arch, data, dataclasses.asdict(ws), tokenizer.get_vocab(),
                       torch.__version__], sort_keys=True, default=str)
     return cache_root() / "warmstart" / f"{model_cfg.name}-{stable_hash(key):016x}"
 

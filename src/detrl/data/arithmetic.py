@@ -3,29 +3,32 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 from datasets import Dataset
 
+from detrl.data.base import Problem, Task
 
-@dataclass(frozen=True)
-class Problem:
-    index: int  # position in the dataset: part of the prompt uid
-    prompt: str  # "17+25="
-    answer: str  # "42"
+__all__ = ["ArithmeticTask", "Problem", "exact_match_reward"]
 
 
 def _solve(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b
 
 
-class ArithmeticTask:
+def exact_match_reward(response: str, answer: str) -> float:
+    """1.0 when the response (up to the end-of-sequence token) is exactly the answer, else 0.0."""
+    return 1.0 if response.strip() == answer else 0.0
+
+
+class ArithmeticTask(Task):
     """All problems `a op b` over the operand range, in a seeded order, as a `datasets.Dataset`.
 
     >>> task = ArithmeticTask(min_operand=0, max_operand=2, ops=["+"], seed=0)
     >>> len(task), task[0].prompt.endswith("=")
     (9, True)
     """
+
+    name = "arithmetic"
 
     def __init__(self, min_operand: int, max_operand: int, ops: list[str], seed: int):
         rows = [
@@ -36,20 +39,23 @@ class ArithmeticTask:
         ]
         random.Random(seed).shuffle(rows)
         self.dataset = Dataset.from_list(rows)
-        self._prompts = list(self.dataset["prompt"])  # plain lists: indexing a Dataset per item is slow
-        self._answers = list(self.dataset["answer"])
+        # plain lists: indexing a Dataset per item is slow
+        super().__init__(list(self.dataset["prompt"]), list(self.dataset["answer"]))
 
-    def __len__(self) -> int:
-        return len(self._prompts)
+    def subset(self, indices: list[int]) -> Task:
+        """The rows at `indices` (in that order) as a task of their own (a train or held-out split)."""
+        out = Task.__new__(type(self))
+        Task.__init__(out, [self._prompts[i] for i in indices], [self._answers[i] for i in indices])
+        out.dataset = self.dataset.select(indices)
+        return out
 
-    def __getitem__(self, index: int) -> Problem:
-        return Problem(index, self._prompts[index], self._answers[index])
+    def encode(self, tokenizer, problem: Problem) -> list[int]:
+        """bos (when the tokenizer has one) + the characters: what the warm start trained on."""
+        ids = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
+        return [tokenizer.bos_token_id, *ids] if tokenizer.bos_token_id is not None else list(ids)
 
-    def batch(self, position: int, size: int) -> list[Problem]:
-        """`size` problems starting at data position `position`, wrapping around the dataset."""
-        return [self[(position + i) % len(self)] for i in range(size)]
+    def encode_all(self, tokenizer) -> list[tuple[int, ...]]:
+        return [tuple(self.encode(tokenizer, self[i])) for i in range(len(self))]
 
-
-def exact_match_reward(response: str, answer: str) -> float:
-    """1.0 when the response (up to the end-of-sequence token) is exactly the answer, else 0.0."""
-    return 1.0 if response.strip() == answer else 0.0
+    def reward(self, response: str, answer: str) -> float:
+        return exact_match_reward(response, answer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -15,6 +16,12 @@ from transformers import (
 
 from detrl.config import ConfigError, ModelConfig
 
+# config.json model_type -> detrl's model.name
+ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
 
 def hf_config(cfg: ModelConfig):
     common = dict(
@@ -25,21 +32,52 @@ def hf_config(cfg: ModelConfig):
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     if cfg.name == "qwen3":
-        return Qwen3Config(intermediate_size=cfg.intermediate_size, **common)
-    return Qwen3MoeConfig(
-        intermediate_size=cfg.intermediate_size, moe_intermediate_size=cfg.moe_intermediate_size,
-        num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-        norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, **common,
-    )
+        config = Qwen3Config(intermediate_size=cfg.intermediate_size, **common)
+    else:
+        config = Qwen3MoeConfig(
+            intermediate_size=cfg.intermediate_size, moe_intermediate_size=cfg.moe_intermediate_size,
+            num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+            norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, **common,
+        )
+    if cfg.attn_implementation is not None:
+        config._attn_implementation = cfg.attn_implementation
+    return config
+
+
+def checkpoint_architecture(path: str | Path, need_tokenizer: bool = False) -> str:
+    """Check a local checkpoint dir; -> detrl's model name (qwen3 | qwen3_moe). One line naming what is missing."""
+    p = Path(path)
+    key = f"model.path={str(path)!r}"
+    if not p.is_dir():
+        raise ConfigError(f"{key}: no such directory")
+    missing = []
+    if not (p / "config.json").is_file():
+        missing.append("config.json")
+    if not any((p / f).is_file() for f in WEIGHT_FILES) and not any(p.glob("*.safetensors")):
+        missing.append("model weights (model.safetensors, model-*.safetensors + index, or pytorch_model.bin)")
+    if need_tokenizer and not any((p / f).is_file() for f in TOKENIZER_FILES):
+        missing.append("a tokenizer (tokenizer.json / tokenizer_config.json)")
+    if missing:
+        raise ConfigError(f"{key} is not a usable Hugging Face checkpoint: missing {', '.join(missing)}")
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: config.json is not valid JSON ({e})") from None
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        archs = config.get("architectures") or [model_type]
+        raise ConfigError(f"{key}: architecture {archs[0]!r} (model_type {model_type!r}) is not supported; "
+                          "detrl runs Qwen3ForCausalLM (qwen3) and Qwen3MoeForCausalLM (qwen3_moe)")
+    return ARCHITECTURES[model_type]
 
 
 def build_model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
     """A fresh model initialised from `seed` (or loaded from cfg.path), float32, on CPU."""
     if cfg.path is not None:
-        path = Path(cfg.path)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path={cfg.path!r} is not a Hugging Face checkpoint dir (no config.json)")
-        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+        checkpoint_architecture(cfg.path)
+        kwargs = {} if cfg.attn_implementation is None else {"attn_implementation": cfg.attn_implementation}
+        return AutoModelForCausalLM.from_pretrained(str(cfg.path), local_files_only=True, dtype=torch.float32,
+                                                    **kwargs)
     cls = Qwen3ForCausalLM if cfg.name == "qwen3" else Qwen3MoeForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
