@@ -31,7 +31,7 @@ def test_algo_defaults_follow_the_field():
     assert grpo.use_kl_loss and grpo.kl_loss_coef == 0.001 and grpo.kl_loss_type == "low_var_kl"
     assert (dapo.clip_ratio_low, dapo.clip_ratio_high, dapo.clip_ratio_c) == (0.2, 0.28, 10.0)
     assert dapo.loss_agg_mode == "token-mean" and not dapo.use_kl_loss
-    assert dapo.dynamic_sampling.enabled and dapo.overlong.enabled
+    assert dapo.filter_groups.enabled and dapo.overlong.enabled
 
 
 def test_overrides_reach_the_typed_config():

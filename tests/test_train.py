@@ -62,7 +62,7 @@ def test_dynamic_sampling_gives_up_with_a_clear_error(tmp_path):
 
     # temperature ~0: every group's samples agree, no group has signal
     cfg = make_cfg("steps=2", "train_batch_size=2", "rollout.n=3", "model.init=random", "logger=none", "algo=dapo",
-                   "rollout.top_p=0.000001", "algo.dynamic_sampling.max_num_gen_batches=2", "algo.overlong.enabled=false")
+                   "rollout.top_p=0.000001", "algo.filter_groups.max_num_gen_batches=2", "algo.overlong.enabled=false")
     with pytest.raises(RuntimeError, match="max_num_gen_batches=2"):
         train(cfg, tmp_path)
 
