@@ -11,7 +11,10 @@ from detrl.algos import (
     filter_groups,
     grpo_advantages,
     kl_penalty,
+    lr_ratio,
+    old_logprobs,
     overlong_penalty,
+    warmup_steps,
 )
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -65,12 +68,60 @@ MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # the 
 
 @pytest.mark.parametrize("mode, want", [
     ("token-mean", 10 / 4),
-    ("seq-mean-token-mean", (2 + 4) / 2),
+    ("seq-mean-token-mean", (6 / (3 + 1e-8) + 4 / (1 + 1e-8)) / 2),
     ("seq-mean-token-sum", (6 + 4) / 2),
-    ("seq-mean-token-sum-norm", 10 / (2 * 3)),
+    ("seq-mean-token-sum-norm", 10 / 3),  # Σ token sums / loss_scale_factor (default T = 3): no / sequences
 ])
 def test_agg_loss_hand_computed_and_masked_rows_excluded(mode, want):
     assert agg_loss(LOSS, MASK, mode).item() == pytest.approx(want, abs=1e-6)
+
+
+def _verl_agg_loss(loss_mat, loss_mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+                   loss_scale_factor=None):
+    """verl's core_algos.agg_loss (volcengine/verl b178a3c), transcribed for the comparison."""
+    def masked_sum(x, m):
+        return (x * m).sum()
+
+    if mode == "token-mean":
+        if batch_num_tokens is None:
+            batch_num_tokens = loss_mask.sum()
+        return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
+    if mode == "seq-mean-token-sum":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()
+        if global_batch_size is None:
+            global_batch_size = seq_mask.sum()
+        return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+    if mode == "seq-mean-token-mean":
+        seq_mask = torch.sum(loss_mask, dim=-1)
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)
+        seq_mask = (seq_mask > 0).float()
+        if global_batch_size is None:
+            global_batch_size = seq_mask.sum()
+        return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+    seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+    if loss_scale_factor is None:
+        loss_scale_factor = loss_mask.shape[-1]
+    return torch.sum(seq_losses) / loss_scale_factor
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 5), st.integers(0, 2**31 - 1), st.sampled_from(MODES),
+       st.booleans(), st.integers(1, 40))
+def test_agg_loss_equals_verls_with_and_without_global_batch_info(b, t, seed, mode, glob, factor):
+    g = torch.Generator().manual_seed(seed)
+    loss = torch.randn(b, t, generator=g, dtype=torch.float64)
+    mask = (torch.rand(b, t, generator=g) > 0.3).double()
+    mask[0, 0] = 1.0  # at least one token (verl divides by 0 otherwise)
+    info = dict(batch_num_tokens=mask.sum().item() + 3, global_batch_size=b + 2, loss_scale_factor=factor) if glob else {}
+    ours, theirs = agg_loss(loss, mask, mode, **info), _verl_agg_loss(loss, mask, mode, **info)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-12, abs=1e-12)
+
+
+def test_seq_mean_token_sum_norm_scales_with_the_batch_not_per_sequence():
+    one = agg_loss(torch.ones(1, 4), torch.ones(1, 4), "seq-mean-token-sum-norm", loss_scale_factor=4)
+    four = agg_loss(torch.ones(4, 4), torch.ones(4, 4), "seq-mean-token-sum-norm", loss_scale_factor=4)
+    assert one.item() == 1.0 and four.item() == 4.0
 
 
 def test_unknown_agg_mode_names_the_value():
@@ -117,9 +168,40 @@ def test_micro_batches_with_global_denominators_sum_to_the_full_loss(b, t, seed,
     loss = torch.randn(b, t, generator=g, dtype=torch.float64)
     mask = (torch.rand(b, t, generator=g) > 0.3).double()
     split = data.draw(st.integers(1, b - 1))
-    glob = dict(global_tokens=mask.sum(), global_seqs=(mask.sum(-1) > 0).sum(), max_len=t)
+    glob = dict(batch_num_tokens=mask.sum(), global_batch_size=(mask.sum(-1) > 0).sum(), loss_scale_factor=t)
     parts = agg_loss(loss[:split], mask[:split], mode, **glob) + agg_loss(loss[split:], mask[split:], mode, **glob)
-    assert parts.item() == pytest.approx(agg_loss(loss, mask, mode, max_len=t).item(), abs=1e-9)
+    assert parts.item() == pytest.approx(agg_loss(loss, mask, mode).item(), abs=1e-9)
+
+
+def test_old_logprobs_by_stale_token_mode():
+    trainer, rollout = torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-1.5, -2.5, -3.5]])
+    fresh, mask = torch.tensor([[1.0, 0.0, 0.0]]), torch.tensor([[1.0, 1.0, 0.0]])
+    old, m = old_logprobs("keep", trainer, rollout, fresh, mask)
+    assert old.tolist() == [[-1.0, -2.5, -3.5]] and torch.equal(m, mask)  # stale: the behaviour policy's
+    old, m = old_logprobs("rescore", trainer, rollout, fresh, mask)
+    assert torch.equal(old, trainer) and torch.equal(m, mask)  # stale: re-scored by the current weights
+    old, m = old_logprobs("mask", trainer, rollout, fresh, mask)
+    assert torch.equal(old, trainer) and m.tolist() == [[1.0, 0.0, 0.0]]  # stale: out of the loss
+    with pytest.raises(ValueError, match="stale_tokens='drop'"):
+        old_logprobs("drop", trainer, rollout, fresh, mask)
+
+
+def _verl_cosine(step, warmup, total, min_lr_ratio=0.0, num_cycles=0.5):
+    """verl's get_cosine_schedule_with_warmup lr_lambda (init_lr_ratio None)."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    x = math.cos(math.pi * float(num_cycles) * 2.0 * progress)
+    return max(min_lr_ratio, x * (1 - min_lr_ratio) * 0.5 + (1 + min_lr_ratio) * 0.5)
+
+
+def test_lr_schedules_match_verl():
+    assert [lr_ratio(s, 10, 4) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert lr_ratio(0, 10, 0) == 1.0  # no warmup: the first step has the full lr
+    for s in range(12):
+        assert lr_ratio(s, 10, 3, "cosine", 0.1) == _verl_cosine(s, 3, 10, 0.1)
+    assert lr_ratio(10, 10, 0, "cosine", 0.1) == pytest.approx(0.1)  # the floor at the end
+    assert warmup_steps(-1, 0.25, 60) == 15 and warmup_steps(3, 0.25, 60) == 3
 
 
 @settings(max_examples=100, deadline=None)

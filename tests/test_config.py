@@ -31,7 +31,7 @@ def test_algo_defaults_follow_the_field():
     assert grpo.use_kl_loss and grpo.kl_loss_coef == 0.001 and grpo.kl_loss_type == "low_var_kl"
     assert (dapo.clip_ratio_low, dapo.clip_ratio_high, dapo.clip_ratio_c) == (0.2, 0.28, 10.0)
     assert dapo.loss_agg_mode == "token-mean" and not dapo.use_kl_loss
-    assert dapo.dynamic_sampling.enabled and dapo.overlong.enabled
+    assert dapo.filter_groups.enabled and dapo.overlong.enabled
 
 
 def test_overrides_reach_the_typed_config():
@@ -46,6 +46,11 @@ def test_overrides_reach_the_typed_config():
     ("algo.kl_loss_type=k9", "algo.kl_loss_type='k9'"),
     ("rollout.top_p=0", "rollout.top_p=0"),
     ("rollout.partial.stale_tokens=drop", "rollout.partial.stale_tokens='drop'"),
+    ("grad_clip=-1", "grad_clip=-1"),
+    ("algo.ppo_mini_batch_size=5", "algo.ppo_mini_batch_size=5"),
+    ("algo.ppo_epochs=0", "algo.ppo_epochs=0"),
+    ("algo.filter_groups.metric=len", "algo.filter_groups.metric='len'"),
+    ("optim.lr_scheduler_type=linear", "optim.lr_scheduler_type='linear'"),
 ])
 def test_invalid_settings_fail_with_one_line_naming_the_value(override, needle):
     with pytest.raises(ConfigError) as e:

@@ -44,7 +44,9 @@ def _kill_during_step(run_dir, step, *extra):
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
 
 
-@pytest.mark.parametrize("extra", [["logger=wandb"], ["model=qwen3_moe", "algo=dapo", "logger=none"],
+@pytest.mark.parametrize("extra", [["logger=wandb"], ["model=qwen3_moe", "algo=dapo", "logger=none",
+                                                      "algo.ppo_mini_batch_size=4", "optim.lr_scheduler_type=cosine",
+                                                      "optim.lr_warmup_steps=2", "optim.min_lr_ratio=0.1"],
                                    ["rollout.partial.enabled=true", "logger=none"],
                                    ["rollout.partial.enabled=true", "model=qwen3_moe", "logger=none"]],
                          ids=["dense-grpo-wandb", "moe-dapo", "dense-partial", "moe-partial"])

@@ -29,12 +29,16 @@ def test_three_step_run_logs_every_step_to_jsonl_and_wandb(tmp_path, model):
                                          ("qwen3_moe", "dapo")])
 def test_determinism_on_gives_identical_fingerprints_and_true_on_policy(tmp_path, model, algo):
     # two runs with different engine layouts: 2 workers x batches of 64 vs 3 workers x batches of 5
-    a = run_tiny(tmp_path / "a", f"model={model}", f"algo={algo}", "determinism=on", "rollout.num_workers=2")
-    b = run_tiny(tmp_path / "b", f"model={model}", f"algo={algo}", "determinism=on", "rollout.num_workers=3",
-                 "rollout.max_batch_size=5")
+    # two mini-batches (optimizer steps) per rollout batch, micro-batches of 12 sequences
+    extra = [f"model={model}", f"algo={algo}", "determinism=on", "algo.ppo_mini_batch_size=4", "micro_batch_size=12"]
+    a = run_tiny(tmp_path / "a", *extra, "rollout.num_workers=2")
+    b = run_tiny(tmp_path / "b", *extra, "rollout.num_workers=3", "rollout.max_batch_size=5")
     assert [[r[k] for k in FP_KEYS] for r in a] == [[r[k] for k in FP_KEYS] for r in b]
     assert len({r["fp/params"] for r in a}) == 3  # not vacuous: the weights moved every step
-    # the trainer's logprobs of the sampled tokens equal the rollout's, bitwise
+    assert all(r["actor/optimizer_steps"] == 2 for r in a)
+    assert any(r["actor/ppo_kl"] != 0.0 for r in a)  # the second mini-batch's policy is not the old one
+    # the trainer's old logprobs (its no-grad pass before the update) of the sampled tokens equal the
+    # rollout's, bitwise
     assert all(r["mismatch/train_rollout_logprob_abs_diff_max"] == 0.0 for r in a)
     assert all(r["mismatch/max_prob_diff"] == 0.0 for r in a)
 
@@ -51,10 +55,48 @@ def test_determinism_off_has_real_train_rollout_mismatch(tmp_path):
     assert max(r["mismatch/train_rollout_logprob_abs_diff_max"] for r in rows) > 0.0
 
 
-def test_dapo_dynamic_sampling_logs_rounds_and_kept_groups(tmp_path):
-    rows = run_tiny(tmp_path, "algo=dapo")
-    assert all(r["dapo/kept_groups"] == 8 for r in rows)
-    assert all(r["dapo/gen_batches"] >= 1 for r in rows)
+@pytest.mark.parametrize("metric", ["acc", "seq_final_reward"])
+def test_dynamic_sampling_keeps_only_groups_mixed_on_the_chosen_metric(tmp_path, monkeypatch, metric):
+    from detrl import collect
+
+    trained = []  # the groups each step trains on
+    real = collect.to_tensors
+    monkeypatch.setattr(collect, "to_tensors", lambda groups, *a, **k: trained.append(groups) or real(groups, *a, **k))
+    rows = run_tiny(tmp_path, "algo=dapo", f"algo.filter_groups.metric={metric}")
+    assert len(trained) == 3 and all(len(g) == 8 for g in trained)
+    assert all(r["dapo/kept_groups"] == 8 and r["dapo/gen_batches"] >= 1 for r in rows)
+    for g in (g for step in trained for g in step):
+        values = collect.filter_metric(g, metric)
+        assert values.max() != values.min(), (metric, values)
+
+
+def test_filter_metric_decides_which_groups_are_kept():
+    import torch
+
+    from detrl.collect import GroupSource, Scored
+    from detrl.rollout import Request, Result
+
+    def group(uid, correct, penalty):
+        rs = [Result(Request(uid, k, (1,), 0), [2], [-0.1], "stop") for k in range(len(correct))]
+        c = torch.tensor(correct)
+        return Scored(rs, c + torch.tensor(penalty), c)
+
+    right_but_one_too_long = group(1, [1.0, 1.0], [0.0, -0.5])  # acc all equal, reward mixed
+    wrong_evens_out = group(2, [1.0, 0.0], [-1.0, 0.0])  # acc mixed, reward all 0
+    for metric, want in [("acc", [2]), ("score", [2]), ("seq_reward", [1]), ("seq_final_reward", [1])]:
+        source = GroupSource(None, None, None, make_cfg("algo=dapo", f"algo.filter_groups.metric={metric}"))
+        kept = source.keep([right_but_one_too_long, wrong_evens_out])
+        assert [g.results[0].request.prompt_uid for g in kept] == want, metric
+
+
+def test_dapo_clips_and_clip_ratio_high_changes_the_trajectory(tmp_path):
+    # 4 mini-batches of 2 prompts: later mini-batches see a moved policy, so ratios leave [0.8, 1.28]
+    extra = ["algo=dapo", "algo.ppo_mini_batch_size=2", "steps=2"]
+    a = run_tiny(tmp_path / "a", *extra)
+    b = run_tiny(tmp_path / "b", *extra, "algo.clip_ratio_high=0.4")
+    assert max(r["actor/pg_clipfrac"] for r in a) > 0
+    assert a[0]["fp/rollout_tokens"] == b[0]["fp/rollout_tokens"]  # the same first batch ...
+    assert a[0]["fp/params"] != b[0]["fp/params"]  # ... trained differently
 
 
 def test_dynamic_sampling_gives_up_with_a_clear_error(tmp_path):
@@ -62,7 +104,7 @@ def test_dynamic_sampling_gives_up_with_a_clear_error(tmp_path):
 
     # temperature ~0: every group's samples agree, no group has signal
     cfg = make_cfg("steps=2", "train_batch_size=2", "rollout.n=3", "model.init=random", "logger=none", "algo=dapo",
-                   "rollout.top_p=0.000001", "algo.dynamic_sampling.max_num_gen_batches=2", "algo.overlong.enabled=false")
+                   "rollout.top_p=0.000001", "algo.filter_groups.max_num_gen_batches=2", "algo.overlong.enabled=false")
     with pytest.raises(RuntimeError, match="max_num_gen_batches=2"):
         train(cfg, tmp_path)
 
@@ -95,10 +137,24 @@ def test_partial_rollout_on_is_bitwise_reproducible_and_really_carries(tmp_path,
     assert all(r["mismatch/train_rollout_logprob_abs_diff_max"] == 0.0 for r in a)  # fresh tokens: on-policy
 
 
-@pytest.mark.parametrize("mode", ["mask", "rescore"])
-def test_stale_token_handling_modes_train(tmp_path, mode):
-    rows = run_tiny(tmp_path, "rollout.partial.enabled=true", f"rollout.partial.stale_tokens={mode}", "steps=4")
-    assert len(rows) == 4 and max(r["partial/staleness_max"] for r in rows) >= 1
+def test_stale_token_modes_change_what_they_should(tmp_path):
+    # one mini-batch: for fresh tokens old == current (ratio exactly 1 under determinism=on), so any ppo_kl
+    # comes from stale tokens' old logprobs
+    runs = {mode: run_tiny(tmp_path / mode, "rollout.partial.enabled=true", f"rollout.partial.stale_tokens={mode}",
+                           "steps=4", "algo.ppo_mini_batch_size=0") for mode in ("keep", "rescore", "mask")}
+    stale = [r["partial/staleness_max"] >= 1 for r in runs["keep"]]
+    assert any(stale)
+    # keep: stale tokens' old = the behaviour logprobs (older weights): the ratio is not 1 on them
+    assert all((r["actor/ppo_kl"] != 0.0) == s for r, s in zip(runs["keep"], stale))
+    assert all(r["mismatch/stale_logprob_abs_diff"] > 0 for r, s in zip(runs["keep"], stale) if s)
+    # rescore: old = the current weights' pass for every token: ratio exactly 1, nothing clipped
+    assert all(r["actor/ppo_kl"] == 0.0 and r["actor/pg_clipfrac"] == 0.0 for r in runs["rescore"])
+    assert all(r["actor/loss_token_frac"] == 1.0 for r in runs["keep"] + runs["rescore"])
+    # mask: stale tokens leave the loss
+    assert all(r["actor/ppo_kl"] == 0.0 for r in runs["mask"])
+    assert any(r["actor/loss_token_frac"] < 1.0 for r in runs["mask"])
+    finals = {mode: rows[-1]["fp/params"] for mode, rows in runs.items()}
+    assert len(set(finals.values())) == 3, finals  # three different trainings
 
 
 @pytest.mark.parametrize("cut", ["groups", "time"])

@@ -76,23 +76,37 @@ class GroupSource:
         return shaped, correct
 
     def keep(self, groups: list[Scored]) -> list[Scored]:
-        """DAPO dynamic sampling: drop groups whose rewards are all equal (when enabled)."""
-        if not self.cfg.algo.dynamic_sampling.enabled:
+        """DAPO dynamic sampling: drop groups whose `algo.filter_groups.metric` is all equal (when enabled)."""
+        fg = self.cfg.algo.filter_groups
+        if not fg.enabled:
             return groups
         uids = [g.results[0].request.prompt_uid for g in groups]
-        flat_s = [x for g in groups for x in g.shaped.tolist()]
+        flat_m = [x for g in groups for x in filter_metric(g, fg.metric).tolist()]
         flat_u = [u for g, u in zip(groups, uids) for _ in g.results]
-        kept = set(filter_groups(flat_s, flat_u))
+        kept = set(filter_groups(flat_m, flat_u))
         return [g for g, u in zip(groups, uids) if u in kept]
 
     def check_rounds(self, rounds: int, kept: int, step: int) -> None:
-        ds = self.cfg.algo.dynamic_sampling
-        if ds.enabled and ds.max_num_gen_batches and rounds > ds.max_num_gen_batches:
+        fg = self.cfg.algo.filter_groups
+        if fg.enabled and fg.max_num_gen_batches and rounds > fg.max_num_gen_batches:
             raise RuntimeError(
                 f"dynamic sampling kept {kept} of {self.cfg.train_batch_size} groups after "
-                f"algo.dynamic_sampling.max_num_gen_batches={ds.max_num_gen_batches} rounds at step {step}; "
+                f"algo.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} rounds at step {step}; "
                 "raise it, or set it to 0 for no limit"
             )
+
+
+def filter_metric(group: Scored, metric: str) -> torch.Tensor:
+    """The per-sample value dynamic sampling compares within a group (verl's filter_groups.metric).
+
+    acc, score: the task reward before shaping (`correct`); seq_reward, seq_final_reward: the reward the
+    advantages use (`shaped`, incl. overlong shaping; detrl puts no KL into the reward, so they agree)."""
+    if metric in ("acc", "score"):
+        return group.correct
+    if metric in ("seq_reward", "seq_final_reward"):
+        return group.shaped
+    raise ValueError(f"algo.filter_groups.metric={metric!r} is not valid; "
+                     "choose one of ['acc', 'score', 'seq_reward', 'seq_final_reward']")
 
 
 def collect(engine, source: GroupSource, step: int, data_pos: int, ctx_len: int) -> tuple[StepBatch, int]:

@@ -55,8 +55,13 @@ class WarmstartConfig:
 
 
 @dataclass
-class DynamicSamplingConfig:
+class FilterGroupsConfig:
+    """DAPO dynamic sampling (verl's algorithm.filter_groups): drop groups whose `metric` is all equal."""
+
     enabled: bool = False
+    # acc / score: the task reward before shaping (here both are exact-match correctness);
+    # seq_reward / seq_final_reward: the reward the advantages use (incl. overlong shaping; no in-reward KL here)
+    metric: str = "acc"
     max_num_gen_batches: int = 10  # 0 = no limit
 
 
@@ -81,8 +86,28 @@ class AlgoConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
-    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    # seq-mean-token-sum-norm divides the summed token losses by this constant (verl's loss_scale_factor);
+    # null = rollout.max_new_tokens (the response length)
+    loss_scale_factor: int | None = None
+    ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n sequences), as verl; 0 or >= train_batch_size = the whole batch
+    ppo_epochs: int = 1  # passes over the rollout batch
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule, as verl's actor.optim (lr, weight_decay, grad_clip stay top level).
+
+    The schedule is a function of the trainer step (verl steps its scheduler once per rollout batch), so
+    an exact resume needs no scheduler state."""
+
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    lr_scheduler_type: str = "constant"  # constant | cosine (both with linear warmup)
+    lr_warmup_steps: int = -1  # < 0: use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0  # of `steps`
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    num_cycles: float = 0.5  # cosine waves over the post-warmup steps (0.5 = a half cosine down)
 
 
 @dataclass
@@ -193,6 +218,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     experiment: str | None = None  # name of the experiment preset / study
     seed: int = 0
     repeat: int = 0  # replicate index: changes the run name only
@@ -214,6 +240,7 @@ class ProbeConfig(TrainConfig):
 MODEL_NAMES = ("qwen3", "qwen3_moe")
 ALGO_NAMES = ("grpo", "dapo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 LOGGER_BACKENDS = ("wandb", "none")
@@ -255,8 +282,16 @@ def validate(cfg: TrainConfig) -> None:
     _check(a.overlong.buffer_len >= 0, "algo.overlong.buffer_len", a.overlong.buffer_len, "must be >= 0")
     _check(a.overlong.buffer_len < r.max_new_tokens or not a.overlong.enabled, "algo.overlong.buffer_len",
            a.overlong.buffer_len, f"must be < rollout.max_new_tokens={r.max_new_tokens}")
-    _check(a.dynamic_sampling.max_num_gen_batches >= 0, "algo.dynamic_sampling.max_num_gen_batches",
-           a.dynamic_sampling.max_num_gen_batches, "must be >= 0 (0 = no limit)")
+    _check(a.filter_groups.max_num_gen_batches >= 0, "algo.filter_groups.max_num_gen_batches",
+           a.filter_groups.max_num_gen_batches, "must be >= 0 (0 = no limit)")
+    _choice("algo.filter_groups.metric", a.filter_groups.metric, FILTER_METRICS)
+    _check(a.loss_scale_factor is None or a.loss_scale_factor > 0, "algo.loss_scale_factor", a.loss_scale_factor,
+           "must be > 0 (or null = rollout.max_new_tokens)")
+    _check(a.ppo_epochs >= 1, "algo.ppo_epochs", a.ppo_epochs, "must be >= 1")
+    mini = a.ppo_mini_batch_size
+    _check(mini >= 0 and (mini == 0 or mini >= cfg.train_batch_size or cfg.train_batch_size % mini == 0),
+           "algo.ppo_mini_batch_size", mini,
+           f"must divide train_batch_size={cfg.train_batch_size} (prompts; 0 or >= it = the whole batch)")
     _check(cfg.determinism.name in ("on", "off"), "determinism", cfg.determinism.name, "choose one of ['on', 'off']")
     _choice("rollout.backend", r.backend, ROLLOUT_BACKENDS)
     if r.backend == "sglang":
@@ -305,6 +340,14 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.train_batch_size >= 1, "train_batch_size", cfg.train_batch_size, "must be >= 1")
     _check(cfg.micro_batch_size >= 1, "micro_batch_size", cfg.micro_batch_size, "must be >= 1")
     _check(cfg.lr > 0, "lr", cfg.lr, "must be > 0")
+    _check(cfg.grad_clip >= 0, "grad_clip", cfg.grad_clip, "must be >= 0")
+    _check(cfg.weight_decay >= 0, "weight_decay", cfg.weight_decay, "must be >= 0")
+    o = cfg.optim
+    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
+           "must be two values in [0, 1)")
+    _choice("optim.lr_scheduler_type", o.lr_scheduler_type, ("constant", "cosine"))
+    _check(0 <= o.lr_warmup_steps_ratio <= 1, "optim.lr_warmup_steps_ratio", o.lr_warmup_steps_ratio, "must be in [0, 1]")
+    _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     _check(cfg.checkpoint.every >= 0, "checkpoint.every", cfg.checkpoint.every, "must be >= 0 (0 = only at the end)")
     _check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
 

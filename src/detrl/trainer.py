@@ -20,15 +20,24 @@ from tqdm import tqdm
 
 from detrl import checkpoint
 from detrl import determinism as det_mod
-from detrl.algos import ADV_ESTIMATORS, agg_loss, compute_policy_loss, kl_penalty
-from detrl.algos.core import entropy_from_logp, masked_mean
+from detrl.algos import (
+    ADV_ESTIMATORS,
+    agg_loss,
+    compute_policy_loss,
+    kl_penalty,
+    lr_ratio,
+    old_logprobs,
+    warmup_steps,
+)
+from detrl.algos.core import masked_mean
 from detrl.collect import GroupSource, StepBatch, collect, collect_partial
 from detrl.config import ConfigError, TrainConfig
 from detrl.data import build_task, stop_token_ids, tokenizer_for
 from detrl.evaluate import Evaluator
 from detrl.fingerprint import floats_digest, ints_digest, params_digest
 from detrl.models.build import build_model, checkpoint_architecture
-from detrl.models.forward import forward, rope_tables, token_logprobs
+from detrl.models.forward import rope_tables
+from detrl.models.logprobs import sequence_logprobs
 from detrl.rollout import EmbeddedEngine, SamplingParams
 from detrl.rollout.partial import PartialBuffer
 from detrl.tracking import Tracker
@@ -60,72 +69,103 @@ def load_policy(cfg: TrainConfig, tokenizer, task, ctx_len: int) -> torch.nn.Mod
     return build_model(cfg.model, seed=cfg.seed)
 
 
-def sequence_logprobs(model, input_ids, ops, ctx_len, rope, temperature):
-    """Trainer logprobs of each next token [N, L-1] and the full log-distributions [N, L-1, V]."""
-    logits = forward(model, input_ids, ops, ctx_len, rope)  # [N, L, V]
-    return token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
-
-
 def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: TrainConfig, ops, ctx_len, rope,
            version: int):
-    """One optimizer step over the batch, in micro-batches with global denominators. -> metrics."""
-    a, temp = cfg.algo, cfg.rollout.temperature
+    """PPO-style update of one rollout batch, as verl's actor (compute_log_prob, then update_policy). -> metrics.
+
+    1. Old logprobs: one no-grad pass of the policy before any update (verl's old_log_prob), with the
+       reference's and the entropy. Stale partial-rollout tokens get theirs from `old_logprobs`.
+    2. `algo.ppo_epochs` passes over `algo.ppo_mini_batch_size`-prompt mini-batches, in batch order; each
+       mini-batch is one optimizer step, its gradient accumulated over `micro_batch_size`-sequence
+       micro-batches with the mini-batch's denominators (verl's global batch info).
+    Three policies: behaviour (the engine's rollout logprobs), old (1.), current (the grad pass). The clip
+    ratio is current / old; `mismatch/*` compares old with behaviour on the tokens the current weights
+    sampled (the same weights in two engines: 0 is true on-policy); pg_clipfrac / ppo_kl are token means
+    over each mini-batch, averaged over the step's mini-batches (ppo_kl is 0 on the first one unless old
+    and current differ, e.g. keep-mode stale tokens).
+    """
+    a, temp, mb = cfg.algo, cfg.rollout.temperature, cfg.micro_batch_size
     n = batch.input_ids.shape[0]
-    stale_tokens = cfg.rollout.partial.stale_tokens
-    train_mask = batch.mask * (batch.versions == version) if stale_tokens == "mask" else batch.mask
-    global_tokens, global_seqs = train_mask.sum().clamp_min(1.0), (train_mask.sum(-1) > 0).sum()
-    sums = dict.fromkeys(["pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"], 0.0)
-    diffs, k3s, pdiffs = [], [], []
-    opt.zero_grad(set_to_none=True)
-    for lo in range(0, n, cfg.micro_batch_size):
-        sl = slice(lo, lo + cfg.micro_batch_size)
-        ids, mask = batch.input_ids[sl], batch.mask[sl]
-        fresh = (batch.versions[sl] == version).float() * mask  # tokens sampled by the current weights
-        logp, logp_full = sequence_logprobs(model, ids, ops, ctx_len, rope, temp)  # [n, L-1], [n, L-1, V]
-        tok_adv = adv[sl, None].expand_as(logp)  # [n, L-1]
-        # one update per rollout batch: for fresh tokens the old policy is this policy (ratio 1). Stale
-        # tokens of a partial rollout: keep = importance ratio against the behaviour logprobs (PPO clip),
-        # rescore = the current policy re-scores them (ratio 1), mask = left out of the loss
-        old = logp.detach()
-        if stale_tokens == "keep":
-            old = torch.where(fresh > 0, old, batch.rollout_logp[sl])
-        elif stale_tokens == "mask":
-            mask = fresh
-        share = mask.sum() / global_tokens
-        pg, m = compute_policy_loss(logp, old, tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c)
-        agg = dict(mode=a.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
-                   max_len=cfg.rollout.max_new_tokens)
-        loss = agg_loss(pg, mask, **agg)
-        sums["pg_loss"] += loss.item()
+    fresh = (batch.versions == version).float() * batch.mask  # tokens sampled by the current weights
+    # --- 1. old (and reference) logprobs, before the first update
+    old_trainer, ref_logp = torch.zeros_like(batch.mask), None
+    ent = torch.zeros_like(batch.mask)
+    with torch.no_grad():
         if ref_model is not None:
-            with torch.no_grad():
-                ref_logp, _ = sequence_logprobs(ref_model, ids, ops, ctx_len, rope, temp)
-            kl = agg_loss(kl_penalty(logp, ref_logp, a.kl_loss_type), mask, **agg)
-            loss = loss + a.kl_loss_coef * kl
-            sums["kl_loss"] += kl.item()
-        ent = entropy_from_logp(logp_full)  # [n, L-1]
-        if a.entropy_coeff:
-            loss = loss - a.entropy_coeff * agg_loss(ent, mask, **agg)
-        loss.backward()
-        sums["entropy"] += (masked_mean(ent.detach(), mask) * share).item()
-        for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-            sums[k] += (m[k] * share).item()
-        # trainer vs rollout on the tokens the current weights sampled: exactly 0 is true on-policy
-        d = (logp.detach() - batch.rollout_logp[sl])[fresh > 0]
-        diffs.append(d.abs())
-        k3s.append(torch.expm1(-d) + d)  # k3 of the rollout policy against the trainer's
-        pdiffs.append((logp.detach().exp() - batch.rollout_logp[sl].exp())[fresh > 0].abs())
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    opt.step()
-    d, k3, pd = (torch.cat(x) if sum(t.numel() for t in x) else torch.zeros(1) for x in (diffs, k3s, pdiffs))
+            ref_logp = torch.zeros_like(batch.mask)
+        for lo in range(0, n, mb):
+            sl = slice(lo, lo + mb)
+            ids, mask = batch.input_ids[sl], batch.mask[sl]
+            old_trainer[sl], ent[sl] = sequence_logprobs(model, ids, mask, ops, ctx_len, rope, temp, entropy=True)
+            if ref_model is not None:
+                ref_logp[sl], _ = sequence_logprobs(ref_model, ids, mask, ops, ctx_len, rope, temp)
+    old, train_mask = old_logprobs(cfg.rollout.partial.stale_tokens, old_trainer, batch.rollout_logp, fresh,
+                                   batch.mask)
+    # --- 2. mini-batches x epochs, one optimizer step each
+    per_mini = (a.ppo_mini_batch_size or cfg.train_batch_size) * cfg.rollout.n
+    lsf = a.loss_scale_factor or cfg.rollout.max_new_tokens
+    per_step: dict[str, list[float]] = {k: [] for k in ("pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower",
+                                                        "ppo_kl", "grad_norm")}
+    for _ in range(a.ppo_epochs):
+        for start in range(0, n, per_mini):
+            stop = min(start + per_mini, n)
+            tokens = train_mask[start:stop].sum()
+            agg = dict(mode=a.loss_agg_mode, batch_num_tokens=tokens, global_batch_size=stop - start,
+                       loss_scale_factor=lsf)
+            sums = dict.fromkeys(["pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"], 0.0)
+            opt.zero_grad(set_to_none=True)
+            for lo in range(start, stop, mb):
+                sl = slice(lo, min(lo + mb, stop))
+                mask = train_mask[sl]
+                if not mask.any():
+                    continue
+                logp, ent_g = sequence_logprobs(model, batch.input_ids[sl], mask, ops, ctx_len, rope, temp,
+                                                entropy=bool(a.entropy_coeff))
+                tok_adv = adv[sl, None].expand_as(logp)  # [n, L-1]
+                pg, m = compute_policy_loss(logp, old[sl], tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high,
+                                            a.clip_ratio_c)
+                loss = agg_loss(pg, mask, **agg)
+                sums["pg_loss"] += loss.item()
+                if ref_logp is not None:
+                    kl = agg_loss(kl_penalty(logp, ref_logp[sl], a.kl_loss_type), mask, **agg)
+                    loss = loss + a.kl_loss_coef * kl
+                    sums["kl_loss"] += kl.item()
+                if a.entropy_coeff:
+                    loss = loss - a.entropy_coeff * agg_loss(ent_g, mask, **agg)
+                loss.backward()
+                share = (mask.sum() / tokens).item()
+                for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+                    sums[k] += m[k].item() * share
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            for k, v in sums.items():
+                per_step[k].append(v)
+            per_step["grad_norm"].append(float(grad_norm))
+    opt.zero_grad(set_to_none=True)
+    # --- mismatch: the trainer's old logprobs vs the engine's, same weights (fresh tokens)
+    f = fresh > 0
+    d = (old_trainer - batch.rollout_logp)[f]
+    pd = (old_trainer.exp() - batch.rollout_logp.exp())[f].abs()
+    stale = (batch.mask > 0) & ~f
+    lag = (old_trainer - batch.rollout_logp)[stale].abs()
+
+    def mean(x):
+        return x.mean().item() if x.numel() else 0.0
+
+    def top(x):
+        return x.max().item() if x.numel() else 0.0
+
     return {
-        **{f"actor/{k}": v for k, v in sums.items()},
-        "actor/grad_norm": grad_norm.item(),
+        **{f"actor/{k}": sum(v) / len(v) for k, v in per_step.items()},
+        "actor/entropy": masked_mean(ent, batch.mask).item(),
         "actor/lr": opt.param_groups[0]["lr"],
-        "mismatch/train_rollout_logprob_abs_diff": d.mean().item(),
-        "mismatch/train_rollout_logprob_abs_diff_max": d.max().item(),
-        "mismatch/k3_kl": k3.mean().item(),
-        "mismatch/max_prob_diff": pd.max().item(),
+        "actor/optimizer_steps": float(len(per_step["grad_norm"])),
+        "actor/loss_token_frac": (train_mask.sum() / batch.mask.sum().clamp_min(1.0)).item(),
+        "mismatch/train_rollout_logprob_abs_diff": mean(d.abs()),
+        "mismatch/train_rollout_logprob_abs_diff_max": top(d.abs()),
+        "mismatch/k3_kl": mean(torch.expm1(-d) + d),  # k3 of the rollout policy against the trainer's
+        "mismatch/max_prob_diff": top(pd),
+        "mismatch/stale_logprob_abs_diff": mean(lag),  # stale tokens: policy lag + engine mismatch
     }
 
 
@@ -220,8 +260,10 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     rope = rope_tables(model.config, ctx_len)
     engine = make_engine(cfg, model, det, ctx_len, sampling, tokenizer, run_dir)
     # fused: one kernel for all parameters (0.22 vs 1.09 ms per step on the default model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99),
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(o.betas),
                             fused=True)
+    warmup = warmup_steps(o.lr_warmup_steps, o.lr_warmup_steps_ratio, cfg.steps)
     tags = [f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={cfg.determinism.name}",
             f"partial={cfg.rollout.partial.enabled}", f"repeat={cfg.repeat}"]
     source = GroupSource(det, task, tokenizer, cfg)
@@ -248,7 +290,11 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             t_rollout = time.perf_counter() - t0
             adv = ADV_ESTIMATORS[cfg.algo.adv_estimator](batch.scores, batch.group_ids, cfg.algo.norm_adv_by_std,
                                                          cfg.algo.adv_epsilon)
-            # --- update, then sync the engine's weights
+            # --- update, then sync the engine's weights. The lr is a function of the step (verl's schedulers,
+            # stepped once per rollout batch): nothing to checkpoint for an exact resume
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * lr_ratio(step - 1, cfg.steps, warmup, o.lr_scheduler_type, o.min_lr_ratio,
+                                            o.num_cycles)
             metrics = update(model, ref_model, opt, batch, adv, cfg, det.ops, ctx_len, rope, version=step - 1)
             engine.update_weights(model.state_dict())
             # --- log

@@ -1,12 +1,13 @@
 """GRPO / DAPO math as pure tensor functions: no model, no I/O, explicit arguments.
 
-Shapes: B sequences, T response tokens; `mask` [B, T] is 1.0 on response tokens. Functions that
-aggregate take global denominators (`global_tokens`, `global_seqs`) so that gradient accumulation over
-micro-batches sums to exactly the full-batch loss.
+Shapes: B sequences, T response tokens; `mask` [B, T] is 1.0 on response tokens. `agg_loss` takes the
+optimizer step's denominators (`batch_num_tokens`, `global_batch_size`, as verl) so that gradient
+accumulation over micro-batches sums to exactly the mini-batch loss.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -70,34 +71,82 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
-def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: float | None = None,
-             global_seqs: float | None = None, max_len: int | None = None) -> torch.Tensor:
-    """Aggregate a per-token loss [B, T] into a scalar; the one switch between GRPO, DAPO and Dr. GRPO.
+def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, batch_num_tokens: float | None = None,
+             global_batch_size: float | None = None, loss_scale_factor: float | None = None,
+             dp_size: int = 1) -> torch.Tensor:
+    """Aggregate a per-token loss [B, T] into a scalar, as verl's `agg_loss` (core_algos.py) does.
 
-    token-mean: sum / all tokens; seq-mean-token-mean: mean over sequences of per-sequence means;
-    seq-mean-token-sum: mean over sequences of sums; seq-mean-token-sum-norm: sum / (seqs * max_len).
-    Denominators default to this batch's; pass the step's global ones under gradient accumulation.
-    Sequences with no response token count in no denominator.
+    token-mean: Σ loss·mask / batch_num_tokens; seq-mean-token-mean: Σ over sequences of per-sequence
+    means (Σ loss·mask / (tokens + 1e-8)) / global_batch_size; seq-mean-token-sum: Σ of per-sequence sums /
+    global_batch_size; seq-mean-token-sum-norm: Σ loss·mask / loss_scale_factor (a constant, default T:
+    no division by the number of sequences). token-mean and the seq-means multiply by dp_size (1 here).
+    The denominators default to this batch's (valid tokens, sequences with a response token); under
+    gradient accumulation pass the optimizer step's (mini-batch) ones so the micro-batches sum to the
+    mini-batch's loss. Sequences with no response token add nothing. One deviation: a batch with no
+    token at all gives 0 where verl divides by 0.
     """
     seq_tokens = mask.sum(-1)  # [B]
-    valid = (seq_tokens > 0).float()
-    n_seqs = valid.sum() if global_seqs is None else torch.as_tensor(global_seqs, dtype=loss.dtype)
-    n_seqs = n_seqs.clamp_min(1.0)
     if mode == "token-mean":
-        n_tok = mask.sum() if global_tokens is None else torch.as_tensor(global_tokens, dtype=loss.dtype)
-        return (loss * mask).sum() / n_tok.clamp_min(1.0)
-    if mode == "seq-mean-token-mean":
-        per_seq = (loss * mask).sum(-1) / seq_tokens.clamp_min(1.0)
-        return (per_seq * valid).sum() / n_seqs
-    if mode == "seq-mean-token-sum":
-        return ((loss * mask).sum(-1) * valid).sum() / n_seqs
+        n_tok = mask.sum() if batch_num_tokens is None else torch.as_tensor(batch_num_tokens, dtype=loss.dtype)
+        return (loss * mask).sum() / _nonzero(n_tok) * dp_size
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        seq_losses = (loss * mask).sum(-1)
+        if mode == "seq-mean-token-mean":
+            seq_losses = seq_losses / (seq_tokens + 1e-8)
+        seq_mask = (seq_tokens > 0).to(loss.dtype)
+        n_seq = seq_mask.sum() if global_batch_size is None else torch.as_tensor(global_batch_size, dtype=loss.dtype)
+        return (seq_losses * seq_mask).sum() / _nonzero(n_seq) * dp_size
     if mode == "seq-mean-token-sum-norm":
-        length = loss.shape[-1] if max_len is None else max_len
-        return (loss * mask).sum() / (n_seqs * length)
+        factor = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        return (loss * mask).sum(-1).sum() / factor
     raise ValueError(
         f"loss_agg_mode={mode!r} is not valid; choose one of "
         "['token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm']"
     )
+
+
+def _nonzero(n: torch.Tensor) -> torch.Tensor:
+    return torch.where(n == 0, torch.ones_like(n), n)
+
+
+def old_logprobs(mode: str, trainer_old: torch.Tensor, rollout: torch.Tensor, fresh: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The old (proximal) policy's logprobs and the loss mask, by how stale partial-rollout tokens are treated.
+
+    trainer_old: the trainer's logprobs before this step's first update (verl's old_log_prob); rollout: the
+    behaviour policy's (the engine's, possibly from older weights); fresh: 1.0 where the current weights
+    sampled the token. Fresh tokens always use trainer_old. Stale tokens: keep = the behaviour logprobs (the
+    ratio corrects for the lag, clipped); rescore = trainer_old (re-scored by the current weights: ratio 1 at
+    the first update, no lag correction); mask = left out of the loss. -> (old [B, T], mask [B, T]).
+    """
+    if mode == "keep":
+        return torch.where(fresh > 0, trainer_old, rollout), mask
+    if mode == "rescore":
+        return trainer_old, mask
+    if mode == "mask":
+        return trainer_old, mask * fresh
+    raise ValueError(f"stale_tokens={mode!r} is not valid; choose one of ['keep', 'mask', 'rescore']")
+
+
+def lr_ratio(step: int, total_steps: int, warmup_steps: int, kind: str = "constant", min_lr_ratio: float = 0.0,
+             num_cycles: float = 0.5) -> float:
+    """The lr multiplier at scheduler step `step` (0-based), as verl's get_constant_schedule_with_warmup /
+    get_cosine_schedule_with_warmup: linear warmup from 0 over `warmup_steps`, then constant, or a cosine
+    from 1 down to `min_lr_ratio` over the remaining steps."""
+    if step < warmup_steps:
+        return float(step) / float(max(1, warmup_steps))
+    if kind == "constant":
+        return 1.0
+    if kind == "cosine":
+        progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
+        x = math.cos(math.pi * float(num_cycles) * 2.0 * progress)
+        return max(min_lr_ratio, x * (1 - min_lr_ratio) * 0.5 + (1 + min_lr_ratio) * 0.5)
+    raise ValueError(f"lr_scheduler_type={kind!r} is not valid; choose one of ['constant', 'cosine']")
+
+
+def warmup_steps(lr_warmup_steps: int, ratio: float, total_steps: int) -> int:
+    """verl's rule: a negative lr_warmup_steps means int(lr_warmup_steps_ratio * total steps)."""
+    return int(ratio * total_steps) if lr_warmup_steps < 0 else lr_warmup_steps
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:

@@ -146,9 +146,11 @@ def _mlp_block(lw: LayerWeights, x, ops: Ops, config):
 
 
 def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KVCache | None = None,
-            positions: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
+            positions: torch.Tensor | None = None, last: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
     """tokens [B, T] -> logits [B, T, V] (or [B, V] at index `last` [B] of each row).
 
+    head False: the final-normed hidden states [B, T, H] instead, for callers that apply the lm_head to
+    chunks of rows (`detrl.models.logprobs`: logprobs without a [B, T, V] tensor).
     `model`: a transformers Qwen3 model or its `fuse`d Weights. cache None: whole left-aligned sequences of
     length ctx_len (training). With a cache: T > 1 is a prefill at positions 0..T-1; T == 1 is a decode
     step at `positions` [B, 1].
@@ -171,7 +173,8 @@ def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KV
         h = h + _mlp_block(lw, _rms_norm(h, lw.post_norm, eps), ops, c)
     if last is not None:
         h = h[torch.arange(b), last]  # [B, H]
-    return ops.linear(_rms_norm(h, w.norm, eps), w.lm_head)  # [B, T, V] or [B, V]
+    h = _rms_norm(h, w.norm, eps)
+    return ops.linear(h, w.lm_head) if head else h  # [B, T, V] or [B, V]; head False: [B, T, H]
 
 
 def log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

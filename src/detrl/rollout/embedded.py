@@ -31,7 +31,8 @@ from detrl.models.ops import BATCH_INVARIANT_OPS, Ops
 from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
 
-_NOISE_CHUNK = 16  # decode steps whose sampling noise is drawn at once
+_NOISE_CHUNK = 16  # decode steps whose sampling noise is drawn at once ...
+_NOISE_ELEMENTS = 2**22  # ... while [B, steps, V] stays under this many values (a real vocab: 1 step at a time)
 _POLL_S = 1.0  # how often a waiting engine checks that its workers are alive
 
 
@@ -77,13 +78,15 @@ class Sampler:
         stopped = torch.zeros(b, dtype=torch.bool)  # rows that sampled a stop token
         finished_by = torch.tensor(limit)  # [B] row i is finished after step t once t + 1 >= limit[i]
         sampled = 0  # steps run
+        # seeded noise is a hash of (seed, position, vocab id): the chunking changes no bit
+        chunk = max(1, min(_NOISE_CHUNK, _NOISE_ELEMENTS // (b * self.weights.config.vocab_size)))
         for t in range(steps):
             if self.abort.is_set():
                 break
-            if t % _NOISE_CHUNK == 0:  # the next chunk of steps' noise at once (bounded memory)
-                noise = self._noise(seeds, lens + t, min(_NOISE_CHUNK, steps - t))  # [B, C, V]
+            if t % chunk == 0:  # the next chunk of steps' noise at once (bounded memory)
+                noise = self._noise(seeds, lens + t, min(chunk, steps - t))  # [B, C, V]
             logp = log_probs(last, p.temperature)  # [B, V]
-            tok = sample(logp, noise[:, t % _NOISE_CHUNK], p.top_p)  # [B]
+            tok = sample(logp, noise[:, t % chunk], p.top_p)  # [B]
             tokens[:, t] = tok
             logps[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
             sampled = t + 1
