@@ -73,6 +73,17 @@ class OverlongConfig:
 
 
 @dataclass
+class RolloutCorrParams:
+    """Parameters of algo.rollout_correction (detrl.algos.rollout_correction has the formulas and sources)."""
+
+    level: str = "token"  # token | sequence
+    cap: float = 2.0  # tis: weights min(ratio, cap); >= 1
+    lower: float = 0.5  # mis: tokens with ratio outside [lower, upper] leave the loss; lower <= 1
+    upper: float = 5.0  # upper >= 1
+    mis_weight: str = "ratio"  # ratio (IcePop: kept tokens weighted by their ratio) | one (rejection only)
+
+
+@dataclass
 class AlgoConfig:
     name: str = "grpo"  # grpo | dapo
     adv_estimator: str = "grpo"
@@ -93,6 +104,10 @@ class AlgoConfig:
     ppo_epochs: int = 1  # passes over the rollout batch
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    # trainer/rollout mismatch correction of the policy loss: none | tis (truncated IS) | mis (masked IS, IcePop);
+    # the ratio is old (trainer) / behaviour (rollout): exactly 1 under determinism=on, so both are no-ops there
+    rollout_correction: str = "none"
+    rollout_corr: RolloutCorrParams = field(default_factory=RolloutCorrParams)
 
 
 @dataclass
@@ -230,6 +245,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     run_dir: str | None = None  # default: Hydra's output dir
     resume: str | None = None  # auto (latest checkpoint in run_dir, else start fresh) | a run or checkpoint dir
+    # per-decoder-layer digests of a fixed canary batch (fp/layers/<i>) every N steps (0 = never);
+    # `python -m detrl.forensics RUN_A RUN_B` localises where two runs' weights part
+    layer_digests_every: int = 0
 
 
 @dataclass
@@ -265,6 +283,14 @@ def _check(ok: bool, where: str, value: Any, rule: str) -> None:
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks; raises ConfigError (one line) on the first bad value."""
     m, a, r = cfg.model, cfg.algo, cfg.rollout
+    _choice("algo.rollout_correction", a.rollout_correction, ("none", "tis", "mis"))
+    from detrl.algos.rollout_correction import validate as _validate_correction
+
+    try:
+        _validate_correction(a.rollout_correction, **vars(a.rollout_corr), prefix="algo.rollout_corr")
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    _check(cfg.layer_digests_every >= 0, "layer_digests_every", cfg.layer_digests_every, "must be >= 0 (0 = never)")
     _choice("model.name", m.name, MODEL_NAMES)
     _choice("model.init", m.init, MODEL_INITS)
     _check(m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",

@@ -30,6 +30,7 @@ from detrl.algos import (
     warmup_steps,
 )
 from detrl.algos.core import masked_mean
+from detrl.algos.rollout_correction import rollout_correction
 from detrl.collect import GroupSource, StepBatch, collect, collect_partial
 from detrl.config import ConfigError, TrainConfig
 from detrl.data import build_task, stop_token_ids, tokenizer_for
@@ -101,6 +102,9 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
                 ref_logp[sl], _ = sequence_logprobs(ref_model, ids, mask, ops, ctx_len, rope, temp)
     old, train_mask = old_logprobs(cfg.rollout.partial.stale_tokens, old_trainer, batch.rollout_logp, fresh,
                                    batch.mask)
+    # trainer/rollout mismatch correction (TIS / MIS), weights on the policy loss; ones under determinism=on
+    corr_w, _, corr_metrics = rollout_correction(old, batch.rollout_logp, train_mask, a.rollout_correction,
+                                                 **vars(a.rollout_corr))
     # --- 2. mini-batches x epochs, one optimizer step each
     per_mini = (a.ppo_mini_batch_size or cfg.train_batch_size) * cfg.rollout.n
     lsf = a.loss_scale_factor or cfg.rollout.max_new_tokens
@@ -124,6 +128,7 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
                 tok_adv = adv[sl, None].expand_as(logp)  # [n, L-1]
                 pg, m = compute_policy_loss(logp, old[sl], tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high,
                                             a.clip_ratio_c)
+                pg = pg * corr_w[sl]  # MIS's dropped tokens weigh 0 and still count in the denominators (IcePop)
                 loss = agg_loss(pg, mask, **agg)
                 sums["pg_loss"] += loss.item()
                 if ref_logp is not None:
@@ -166,7 +171,23 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
         "mismatch/k3_kl": mean(torch.expm1(-d) + d),  # k3 of the rollout policy against the trainer's
         "mismatch/max_prob_diff": top(pd),
         "mismatch/stale_logprob_abs_diff": mean(lag),  # stale tokens: policy lag + engine mismatch
+        **{k: float(v) for k, v in corr_metrics.items()},
     }
+
+
+def layer_fingerprints(model, cfg: TrainConfig, step: int) -> dict[str, str]:
+    """fp/layers/<i>: digests of each decoder layer's output on a fixed canary batch, every
+    `layer_digests_every` steps ("" in between, so every row has the same keys); none when 0."""
+    every = cfg.layer_digests_every
+    if not every:
+        return {}
+    from detrl.forensics import layer_digests, make_canary
+
+    n = model.config.num_hidden_layers
+    if step % every:
+        return {f"fp/layers/{i}": "" for i in range(n)}
+    digests = layer_digests(model, make_canary(model.config.vocab_size))
+    return {f"fp/layers/{i}": digests[str(i)] for i in range(n)}
 
 
 def rollout_metrics(batch: StepBatch, adv: torch.Tensor) -> dict[str, float | str]:
@@ -301,6 +322,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             metrics.update(rollout_metrics(batch, adv))
             metrics.update(batch.stats)
             metrics["fp/params"] = params_digest(model)
+            metrics.update(layer_fingerprints(model, cfg, step))
             metrics["timing_s/rollout"] = t_rollout
             metrics["timing_s/step"] = time.perf_counter() - t0
             metrics["perf/throughput"] = float(batch.mask.sum()) / metrics["timing_s/step"]
