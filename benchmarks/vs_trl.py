@@ -45,7 +45,8 @@ def detrl_steps(determinism: str, steps: int, out: Path) -> list[float]:
         cfg = to_typed(compose("train", overrides=[
             f"determinism={determinism}", f"steps={steps}", f"train_batch_size={PROMPTS}", f"rollout.n={SAMPLES}",
             f"rollout.max_new_tokens={NEW_TOKENS}", "algo.use_kl_loss=false", "model.init=random", "seed=0",
-            f"micro_batch_size={PROMPTS * SAMPLES}", "logger=none", "checkpoint.save_final=false",
+            f"micro_batch_size={PROMPTS * SAMPLES}", "algo.ppo_mini_batch_size=0", "logger=none",
+            "checkpoint.save_final=false",
         ]))
     train(cfg, out)
     return [r["timing_s/step"] for r in load_metrics(out)][WARMUP:]
@@ -57,25 +58,33 @@ TRL_MATCHED = dict(bf16=False, gradient_checkpointing=False)
 TRL_DEFAULTS: dict = {}
 
 
+BENCH_ARGS = dict(  # the same work as detrl's side: 8 prompts x 4 samples x 16 tokens, one step per batch
+    per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES, max_completion_length=NEW_TOKENS,
+    beta=0.0, num_iterations=1, steps_per_generation=1, gradient_accumulation_steps=1, learning_rate=1e-3,
+    use_vllm=False, use_cpu=True, temperature=1.0, seed=0, shuffle_dataset=False,
+)
+QUIET_ARGS = dict(report_to="none", save_strategy="no", logging_steps=10_000, disable_tqdm=True)
+
+
 def trl_args(out: Path, steps: int, numerics: dict):
     from trl import GRPOConfig
 
-    return GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES,
-        max_completion_length=NEW_TOKENS, beta=0.0, num_iterations=1, steps_per_generation=1,
-        gradient_accumulation_steps=1, learning_rate=1e-3, max_steps=steps, use_vllm=False, use_cpu=True,
-        report_to="none", save_strategy="no", logging_steps=10_000, disable_tqdm=True, shuffle_dataset=False,
-        temperature=1.0, seed=0, **numerics,
-    )
+    return GRPOConfig(output_dir=str(out), max_steps=steps, **BENCH_ARGS, **QUIET_ARGS, **numerics)
 
 
-def non_default_args(args) -> dict:
-    """The GRPOConfig fields this benchmark sets away from TRL's defaults (output_dir aside)."""
+def non_default_args(numerics: dict) -> dict:
+    """The work and numerics arguments this benchmark gives GRPOConfig that differ from TRL's declared
+    defaults (instantiating GRPOConfig() on a CPU fails: its bf16=True default needs a GPU)."""
+    import dataclasses
+
     from trl import GRPOConfig
 
-    default = GRPOConfig(output_dir=args.output_dir)
-    return {k: v for k, v in vars(args).items() if k != "output_dir" and getattr(default, k, None) != v
-            and not k.startswith("_")}
+    def default(f):
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+    defaults = {f.name: default(f) for f in dataclasses.fields(GRPOConfig) if f.init}
+    given = {**BENCH_ARGS, **numerics}
+    return {k: v for k, v in given.items() if defaults.get(k, object()) != v}
 
 
 def trl_steps(steps: int, out: Path, numerics: dict) -> list[float]:
@@ -130,7 +139,7 @@ def main() -> None:
             for k, v in this.items():
                 times[k] += v
             per_round.append({k: statistics.median(v) for k, v in this.items()})
-        shown = non_default_args(trl_args(Path(tmp) / "args", args.steps, TRL_MATCHED))
+    shown = non_default_args(TRL_MATCHED)
     print(f"\nTRL {__import__('trl').__version__} GRPOConfig arguments that differ from its defaults (matched row): "
           + ", ".join(f"{k}={v!r}" for k, v in sorted(shown.items())))
     trl = statistics.median(times[matched])
