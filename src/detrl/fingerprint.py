@@ -28,6 +28,6 @@ def floats_digest(rows: Iterable[Iterable[float]]) -> str:
 
 def params_digest(model: torch.nn.Module) -> str:
     return digest(
-        name.encode() + p.detach().contiguous().view(torch.uint8).numpy().tobytes()
+        name.encode() + p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
         for name, p in sorted(model.state_dict().items())
     )

@@ -15,8 +15,9 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from detrl.models.ops import Ops, moe_dispatch
+from detrl.models.ops import Ops
 
 
 @dataclass
@@ -61,8 +62,11 @@ class Weights:
                 dst.copy_(src)
 
 
-def fuse(model) -> Weights:
-    """The model's weights as the forward consumes them (differentiable: gradients flow to the model)."""
+def fuse(model, dtype: torch.dtype | None = None) -> Weights:
+    """The model's weights as the forward consumes them (differentiable: gradients flow to the model).
+
+    dtype: the compute dtype (e.g. bf16 copies of float32 master weights; None or the model's own: no cast).
+    """
     c, inner = model.config, model.model
     layers = []
     for layer in inner.layers:
@@ -79,7 +83,10 @@ def fuse(model) -> Weights:
             o=a.o_proj.weight,
             post_norm=layer.post_attention_layernorm.weight,
             gate_up=gate_up, down=down, router=router))
-    return Weights(inner.embed_tokens.weight, layers, inner.norm.weight, model.lm_head.weight, c)
+    w = Weights(inner.embed_tokens.weight, layers, inner.norm.weight, model.lm_head.weight, c)
+    if dtype is None or dtype == w.embed.dtype:
+        return w
+    return w.map(lambda t: t.to(dtype))
 
 
 @dataclass
@@ -88,26 +95,32 @@ class KVCache:
     v: list[torch.Tensor]
 
     @classmethod
-    def empty(cls, config, batch: int, ctx_len: int) -> KVCache:
+    def empty(cls, config, batch: int, ctx_len: int, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> KVCache:
         shape = (batch, config.num_key_value_heads, ctx_len, config.head_dim)
-        return cls([torch.zeros(shape) for _ in range(config.num_hidden_layers)],
-                   [torch.zeros(shape) for _ in range(config.num_hidden_layers)])
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)])
 
 
-def rope_tables(config, ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config, ctx_len: int, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, signed sin [ctx_len, D]: transformers' values for positions 0..ctx_len-1, with the first half of
-    sin negated so that rotate_half becomes a roll (see _rope)."""
+    sin negated so that rotate_half becomes a roll (see _rope). Computed on the CPU in float32 on every
+    device (the same values everywhere), then cast to the compute dtype as transformers does."""
     dim = config.head_dim
     theta = config.rope_parameters["rope_theta"]
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [D/2]
     freqs = torch.arange(ctx_len, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [L, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
     sin = emb.sin()
-    return emb.cos(), torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), dim=-1)  # rotate_half's sign folded in
+    cos, sin = emb.cos(), torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), dim=-1)  # rotate_half's sign folded in
+    return cos.to(device, dtype), sin.to(device, dtype)
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    """transformers' Qwen3RMSNorm: statistics in float32, normalised x back in x's dtype, times w."""
+    xf = x.float()  # float32 input: the same tensor (no copy, the same bits as before)
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -140,38 +153,46 @@ def _mlp_block(lw: LayerWeights, x, ops: Ops, config):
     if lw.router is not None:  # Qwen3-MoE sparse block
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         top_w, top_i = ops.route(ops.linear(flat, lw.router), config.num_experts_per_tok, config.norm_topk_prob)
-        return moe_dispatch(flat, top_w, top_i, lw.gate_up, lw.down, ops.linear, ops.silu).view_as(x)
+        return ops.moe(flat, top_w, top_i, lw.gate_up, lw.down, ops.linear, ops.silu).view_as(x)
     gate, up = ops.linear(x, lw.gate_up).chunk(2, dim=-1)
     return ops.linear(ops.silu(gate) * up, lw.down)
 
 
 def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KVCache | None = None,
-            positions: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
+            positions: torch.Tensor | None = None, last: torch.Tensor | None = None,
+            head: bool = True) -> torch.Tensor:
     """tokens [B, T] -> logits [B, T, V] (or [B, V] at index `last` [B] of each row).
 
     `model`: a transformers Qwen3 model or its `fuse`d Weights. cache None: whole left-aligned sequences of
     length ctx_len (training). With a cache: T > 1 is a prefill at positions 0..T-1; T == 1 is a decode
-    step at `positions` [B, 1].
+    step at `positions` [B, 1]. head=False: the final normed hidden states [B, T, H] instead of logits.
     """
-    w = model if isinstance(model, Weights) else fuse(model)
+    w = model if isinstance(model, Weights) else fuse(model, ops.dtype)
     c = w.config
     b, t = tokens.shape
+    dev = tokens.device
     if positions is None:
-        positions = torch.arange(t).expand(b, t)
+        positions = torch.arange(t, device=dev).expand(b, t)
     cos, sin = rope
     rot = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, T, 1, D], shared by heads and layers
-    mask = torch.arange(ctx_len)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]
+    mask = torch.arange(ctx_len, device=dev)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]
     slot = None
     if cache is not None and t == 1:  # the cache slot each row writes, shared by the layers
         slot = positions[:, None, :, None].expand(b, c.num_key_value_heads, 1, c.head_dim)  # [B, Hkv, 1, D]
     eps = c.rms_norm_eps
     h = w.embed[tokens]  # [B, T, H]
-    for i, lw in enumerate(w.layers):
+
+    def layer(h, lw, i):
         h = h + _attention_block(lw, _rms_norm(h, lw.input_norm, eps), rot, mask, slot, i, cache, ctx_len, ops, c)
-        h = h + _mlp_block(lw, _rms_norm(h, lw.post_norm, eps), ops, c)
+        return h + _mlp_block(lw, _rms_norm(h, lw.post_norm, eps), ops, c)
+
+    recompute = ops.checkpoint and cache is None and torch.is_grad_enabled()
+    for i, lw in enumerate(w.layers):
+        h = checkpoint(layer, h, lw, i, use_reentrant=False) if recompute else layer(h, lw, i)
     if last is not None:
-        h = h[torch.arange(b), last]  # [B, H]
-    return ops.linear(_rms_norm(h, w.norm, eps), w.lm_head)  # [B, T, V] or [B, V]
+        h = h[torch.arange(b, device=dev), last]  # [B, H]
+    h = _rms_norm(h, w.norm, eps)
+    return ops.linear(h, w.lm_head) if head else h  # [B, T, V] or [B, V] (or [B, (T,) H])
 
 
 def log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -183,3 +204,49 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     """Logprobs of `targets` under softmax(logits / T), and the full log-distribution. [.., V] -> [..]."""
     logp = log_probs(logits, temperature)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), logp
+
+
+class _ChunkedHeadLogprobs(torch.autograd.Function):
+    """Token logprobs and entropies of softmax(h @ W.T / T) without the [rows, V] logits of all rows at
+    once: the head, log_softmax, gather and entropy run `chunk` rows at a time, and the backward recomputes
+    each chunk's logits (memory O(chunk x V) instead of O(rows x V), one extra head gemm)."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, temperature, linear, chunk):
+        tok, ent = [], []
+        for lo in range(0, h.shape[0], chunk):
+            logp = log_probs(linear(h[lo : lo + chunk], w), temperature)  # [c, V] float32
+            tok.append(logp.gather(-1, targets[lo : lo + chunk, None]).squeeze(-1))
+            ent.append(-(logp.exp() * logp).sum(-1))
+        ctx.save_for_backward(h, w, targets)
+        ctx.temperature, ctx.linear, ctx.chunk = temperature, linear, chunk
+        return torch.cat(tok), torch.cat(ent)
+
+    @staticmethod
+    def backward(ctx, g_tok, g_ent):
+        h, w, targets = ctx.saved_tensors
+        gh, gw = torch.empty_like(h), torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        for lo in range(0, h.shape[0], ctx.chunk):
+            hc = h[lo : lo + ctx.chunk]
+            logp = log_probs(ctx.linear(hc, w), ctx.temperature)  # [c, V]
+            p = logp.exp()
+            ent = -(p * logp).sum(-1, keepdim=True)  # [c, 1]
+            # d logp[target] / dz = onehot - p; d entropy / dz = -p (logp + entropy); z = logits / T
+            gz = -p * (g_tok[lo : lo + ctx.chunk, None] + g_ent[lo : lo + ctx.chunk, None] * (logp + ent))
+            gz.scatter_add_(-1, targets[lo : lo + ctx.chunk, None], g_tok[lo : lo + ctx.chunk, None])
+            gl = (gz / ctx.temperature).to(h.dtype)  # [c, V] gradient of the logits
+            gh[lo : lo + ctx.chunk] = gl @ w
+            gw += (gl.t() @ hc).float()
+        return gh, gw.to(w.dtype), None, None, None, None
+
+
+def chunked_sequence_logprobs(model, input_ids: torch.Tensor, ops: Ops, ctx_len: int, rope, temperature: float,
+                              chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of each next token [N, L-1] and the entropies of those positions [N, L-1], never holding the
+    [N, L, V] logits (see _ChunkedHeadLogprobs): what the trainer runs on GPUs."""
+    w = model if isinstance(model, Weights) else fuse(model, ops.dtype)
+    h = forward(w, input_ids, ops, ctx_len, rope, head=False)[:, :-1]  # [N, L-1, H]
+    n, t = h.shape[:2]
+    tok, ent = _ChunkedHeadLogprobs.apply(h.reshape(n * t, -1), w.lm_head, input_ids[:, 1:].reshape(-1),
+                                          temperature, ops.linear, chunk)
+    return tok.view(n, t), ent.view(n, t)
