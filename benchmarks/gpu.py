@@ -1,6 +1,6 @@
 """detrl on one GPU: the CUDA engine vs transformers `generate`, the trainer step, and one GRPO step vs TRL.
 
-    python benchmarks/gpu.py [--out DIR] [--sections rollout,grpo,trl] [--hf-moe-tokens 64]
+    python benchmarks/gpu.py [--out DIR] [--sections rollout,grpo,trl] [--hf-moe-tokens 32]
 
 Models: Qwen3-0.6B's shape (conf/model/qwen3_0p6b.yaml) and Qwen3-30B-A3B's layer shape with 6 layers
 (conf/model/qwen3_moe_a3b_6l.yaml), random init, bf16 compute (float32 master weights in the trainer).
@@ -244,23 +244,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="rollout,grpo,trl")
-    ap.add_argument("--hf-moe-tokens", type=int, default=64, help="generate's new tokens on the MoE (slow)")
+    ap.add_argument("--hf-moe-tokens", type=int, default=32, help="generate's new tokens on the MoE (slow)")
     ap.add_argument("--grpo-steps", type=int, default=5)
     args = ap.parse_args()
     register_configs()
     out = Path(args.out or tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
     sections = args.sections.split(",")
-    jobs = []
+    jobs = []  # the targets first: the GRPO step vs TRL, then the rollout tables
+    if "grpo" in sections:
+        jobs += [lambda: grpo_section(DENSE, args.grpo_steps, out)]
+    if "trl" in sections:
+        jobs += [lambda: trl_section(DENSE, 4, out)]
     if "rollout" in sections:
         jobs += [lambda: rollout_section(DENSE, [64, 256], NEW), lambda: rollout_section(MOE, [64, 256],
                                                                                           args.hf_moe_tokens)]
     if "engine" in sections:
         jobs += [lambda: rollout_section(DENSE, [64, 256], 0), lambda: rollout_section(MOE, [64, 256], 0)]
-    if "grpo" in sections:
-        jobs += [lambda: grpo_section(DENSE, args.grpo_steps, out)]
-    if "trl" in sections:
-        jobs += [lambda: trl_section(DENSE, 4, out)]
     if "grpo_moe" in sections:
         jobs += [lambda: grpo_section(MOE, 3, out)]
     for job in jobs:

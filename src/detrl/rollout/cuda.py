@@ -55,7 +55,8 @@ class _Slot:
 class CudaEngine:
     def __init__(self, model: torch.nn.Module, ops: Ops, ctx_len: int, params: SamplingParams, seed: int,
                  max_batch_size: int = 256, fixed_routing: bool = True, device: torch.device | str = "cuda",
-                 dtype: torch.dtype = torch.bfloat16, graphs: bool = True, sync_every: int = 16):
+                 dtype: torch.dtype = torch.bfloat16, graphs: bool = True, sync_every: int = 16,
+                 compile: bool | None = None):
         self.device, self.dtype = torch.device(device), dtype
         self.ops = dataclasses.replace(ops, dtype=None, checkpoint=False)  # the weights are cast already
         self.ctx_len, self.params = ctx_len, params
@@ -69,6 +70,12 @@ class CudaEngine:
         # graphs need a dispatch without host syncs (the per-expert loop syncs: MoE on it runs eagerly)
         moe = getattr(self.config, "num_experts", None)
         self.graphs = graphs and not (moe and self.ops.moe is moe_dispatch)
+        # torch.compile fuses a decode step's ~40 small kernels per layer into a few (launches dominate a step);
+        # default: with torch's kernels on CUDA (determinism off); never with the batch-invariant ops, whose
+        # bits must stay the trainer's eager ones
+        if compile is None:
+            compile = self.device.type == "cuda" and self.ops.name == "cuda_default"
+        self._decode = torch.compile(_decode_step, dynamic=False) if compile else _decode_step
         self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)
         self.batch_log: list[tuple[int, tuple[tuple[int, int], ...]]] = []
         self._slots: dict[int, _Slot] = {}
@@ -188,24 +195,11 @@ class CudaEngine:
 
     def _step_fn(self, s: _Slot, seeded: bool, p: SamplingParams):
         """One decode step on the slot's static buffers: sample from s.last, record, forward the token."""
-        vocab = self.config.vocab_size
 
         def step() -> None:
-            logp = log_probs(s.last, p.temperature)  # [B, V] float32
-            if seeded:
-                noise = hashed_gumbel(None, s.pos, vocab, key=s.key)  # [B, V] float64
-            else:
-                noise = gumbel(torch.rand(logp.shape, device=logp.device, dtype=torch.float64).clamp_min(1e-300))
-            tok = sample(logp, noise, p.top_p)  # [B]
-            col = s.t.clamp(max=s.tokens.shape[1] - 1).expand(tok.shape[0], 1)
-            s.tokens.scatter_(1, col, tok[:, None])
-            s.logps.scatter_(1, col, logp.gather(-1, tok[:, None]))
-            s.stopped.logical_or_(torch.isin(tok, s.stops))
-            s.t.add_(1)
-            s.done.copy_((s.stopped | (s.limit <= s.t)).all())
-            s.last.copy_(model_forward(self.weights, tok[:, None], self.ops, self.ctx_len, self.rope,
-                                       cache=s.cache, positions=s.pos[:, None])[:, 0])
-            s.pos.add_(1).clamp_(max=self.ctx_len - 1)  # idle rows never pass the cache's end
+            self._decode(self.weights, self.rope, self.ops, self.ctx_len, p.temperature, p.top_p, seeded,
+                         s.last, s.pos, s.t, s.key, s.limit, s.stops, s.stopped, s.done, s.tokens, s.logps,
+                         s.cache)
 
         return step
 
@@ -239,3 +233,23 @@ class CudaEngine:
                 logps=torch.zeros(bb, self.params.max_new_tokens, dtype=torch.float32, **z),
                 graphs={})
         return self._slots[bb]
+
+
+def _decode_step(weights, rope, ops: Ops, ctx_len: int, temperature: float, top_p: float, seeded: bool,
+                 last, pos, t, key, limit, stops, stopped, done, tokens, logps, cache: KVCache) -> None:
+    """Sample the token at `pos` from `last`, record it at column t, forward it: `last` <- its logits.
+    Every tensor argument is a static buffer, updated in place (graph-capturable, no host sync)."""
+    logp = log_probs(last, temperature)  # [B, V] float32
+    if seeded:
+        noise = hashed_gumbel(None, pos, last.shape[-1], key=key)  # [B, V] float64
+    else:
+        noise = gumbel(torch.rand(logp.shape, device=logp.device, dtype=torch.float64).clamp_min(1e-300))
+    tok = sample(logp, noise, top_p)  # [B]
+    col = t.clamp(max=tokens.shape[1] - 1).expand(tok.shape[0], 1)
+    tokens.scatter_(1, col, tok[:, None])
+    logps.scatter_(1, col, logp.gather(-1, tok[:, None]))
+    stopped.logical_or_(torch.isin(tok, stops))
+    t.add_(1)
+    done.copy_((stopped | (limit <= t)).all())
+    last.copy_(model_forward(weights, tok[:, None], ops, ctx_len, rope, cache=cache, positions=pos[:, None])[:, 0])
+    pos.add_(1).clamp_(max=ctx_len - 1)  # idle rows never pass the cache's end
