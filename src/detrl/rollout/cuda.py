@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from detrl.models.forward import KVCache, fuse, log_probs, rope_tables
+from detrl.models.forward import KVCache, fuse, layer_post, layer_pre, log_probs, rope_tables
 from detrl.models.forward import forward as model_forward
 from detrl.models.ops import Ops, moe_dispatch
 from detrl.rollout.base import Request, Result, SamplingParams
@@ -75,7 +75,13 @@ class CudaEngine:
         # bits must stay the trainer's eager ones
         if compile is None:
             compile = self.device.type == "cuda" and self.ops.name == "cuda_default"
-        self._decode = torch.compile(_decode_step, dynamic=False) if compile else _decode_step
+        # compiled: the sampling step and each layer's two halves (one compiled function serves every layer);
+        # the cache writes between them run as they are, in place
+        if compile:
+            self._sample = torch.compile(_sample_step, dynamic=False)
+            self._stages = (torch.compile(layer_pre, dynamic=False), torch.compile(layer_post, dynamic=False))
+        else:
+            self._sample, self._stages = _sample_step, (layer_pre, layer_post)
         self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)
         self.batch_log: list[tuple[int, tuple[tuple[int, int], ...]]] = []
         self._slots: dict[int, _Slot] = {}
@@ -197,9 +203,11 @@ class CudaEngine:
         """One decode step on the slot's static buffers: sample from s.last, record, forward the token."""
 
         def step() -> None:
-            self._decode(self.weights, self.rope, self.ops, self.ctx_len, p.temperature, p.top_p, seeded,
-                         s.last, s.pos, s.t, s.key, s.limit, s.stops, s.stopped, s.done, s.tokens, s.logps,
-                         s.cache)
+            tok = self._sample(p.temperature, p.top_p, seeded, s.last, s.pos, s.t, s.key, s.limit, s.stops,
+                               s.stopped, s.done, s.tokens, s.logps)
+            s.last.copy_(model_forward(self.weights, tok[:, None], self.ops, self.ctx_len, self.rope, cache=s.cache,
+                                       positions=s.pos[:, None], stages=self._stages)[:, 0])
+            s.pos.add_(1).clamp_(max=self.ctx_len - 1)  # idle rows never pass the cache's end
 
         return step
 
@@ -235,10 +243,10 @@ class CudaEngine:
         return self._slots[bb]
 
 
-def _decode_step(weights, rope, ops: Ops, ctx_len: int, temperature: float, top_p: float, seeded: bool,
-                 last, pos, t, key, limit, stops, stopped, done, tokens, logps, cache: KVCache) -> None:
-    """Sample the token at `pos` from `last`, record it at column t, forward it: `last` <- its logits.
-    Every tensor argument is a static buffer, updated in place (graph-capturable, no host sync)."""
+def _sample_step(temperature: float, top_p: float, seeded: bool, last, pos, t, key, limit, stops, stopped, done,
+                 tokens, logps) -> torch.Tensor:
+    """Sample the token at `pos` from `last` [B, V], record it and its logprob at column t, update the stop
+    flags. Every tensor argument is a static buffer, updated in place (graph-capturable, no host sync)."""
     logp = log_probs(last, temperature)  # [B, V] float32
     if seeded:
         noise = hashed_gumbel(None, pos, last.shape[-1], key=key)  # [B, V] float64
@@ -251,5 +259,4 @@ def _decode_step(weights, rope, ops: Ops, ctx_len: int, temperature: float, top_
     stopped.logical_or_(torch.isin(tok, stops))
     t.add_(1)
     done.copy_((stopped | (limit <= t)).all())
-    last.copy_(model_forward(weights, tok[:, None], ops, ctx_len, rope, cache=cache, positions=pos[:, None])[:, 0])
-    pos.add_(1).clamp_(max=ctx_len - 1)  # idle rows never pass the cache's end
+    return tok
