@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
-
 from gpu import NEW, prompts, random_model  # noqa: E402
 
 from detrl.config import register_configs  # noqa: E402

@@ -185,3 +185,27 @@ def test_gpu_trainer_logprobs_close_to_rollout(tmp_path):
     rows = run_tiny(tmp_path, "device=cuda", "determinism=off", "model.init=random")
     assert len(rows) == 3
     assert all(r["mismatch/train_rollout_logprob_abs_diff"] < 0.05 for r in rows)
+
+
+@pytest.mark.parametrize("cfg", [ModelConfig(), MOE], ids=["dense", "moe"])
+def test_preflight_passes_invariant_ops_and_catches_default(cfg):
+    """Issue 16's preflight on the CPU: the batch-invariant ops pass (rows and prefill/decode phases), and the
+    default ops, as the negative control, are caught (prefill vs decode logprobs differ on CPU)."""
+    from detrl.models import preflight
+
+    model = build_model(dataclasses.replace(cfg, init="random"), seed=0)
+    w, rope = fuse(model), rope_tables(model.config, 16)
+    preflight.require(w, BATCH_INVARIANT_OPS, 16, rope)
+    assert preflight.negative_control(w, DEFAULT_OPS, 16, rope)
+
+
+@cuda
+@pytest.mark.gpu
+def test_gpu_preflight():
+    """On the GPU: the invariant ops in bf16 pass; the default CUDA ops are caught."""
+    from detrl.models import preflight
+
+    model = build_model(ModelConfig(init="random", vocab_size=512), seed=0).cuda()
+    w, rope = fuse(model, torch.bfloat16), rope_tables(model.config, 32, "cuda", torch.bfloat16)
+    preflight.require(w, BATCH_INVARIANT_OPS, 32, rope)
+    assert preflight.negative_control(w, CUDA_DEFAULT_OPS, 32, rope)
