@@ -43,6 +43,7 @@ class ModelConfig:
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 128
     norm_topk_prob: bool = True
+    dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16
 
 
 @dataclass
@@ -235,6 +236,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     experiment: str | None = None  # name of the experiment preset / study
+    device: str = "auto"  # auto (CUDA when available) | cpu | cuda
+    activation_checkpointing: bool = False  # recompute each layer's activations in the backward (trainer)
     seed: int = 0
     repeat: int = 0  # replicate index: changes the run name only
     steps: int = 60
@@ -293,6 +296,8 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.layer_digests_every >= 0, "layer_digests_every", cfg.layer_digests_every, "must be >= 0 (0 = never)")
     _choice("model.name", m.name, MODEL_NAMES)
     _choice("model.init", m.init, MODEL_INITS)
+    _choice("model.dtype", m.dtype, ("auto", "float32", "bfloat16"))
+    _choice("device", cfg.device, ("auto", "cpu", "cuda"))
     _check(m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",
            m.num_key_value_heads, "must divide model.num_attention_heads")
     if m.name == "qwen3_moe":

@@ -18,6 +18,7 @@ Both modes seed python, numpy and torch from the run seed: `off` releases pins, 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import random
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from detrl.models.ops import BATCH_INVARIANT_OPS, DEFAULT_OPS, Ops
+from detrl.models.ops import BATCH_INVARIANT_OPS, CUDA_DEFAULT_OPS, DEFAULT_OPS, Ops
 from detrl.rollout.base import Request, Result
 
 
@@ -44,10 +45,20 @@ def stable_hash(*parts: int | str) -> int:
 class Determinism:
     enabled: bool
     seed: int
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32  # the compute dtype (master weights stay float32)
+    activation_checkpointing: bool = False
 
     @property
     def ops(self) -> Ops:
-        return BATCH_INVARIANT_OPS if self.enabled else DEFAULT_OPS
+        """The op set for this mode and device (CPU, float32, no recomputation: the CPU sets themselves)."""
+        if self.enabled:
+            base = BATCH_INVARIANT_OPS
+        else:
+            base = CUDA_DEFAULT_OPS if self.device.type == "cuda" else DEFAULT_OPS
+        if self.dtype == torch.float32 and not self.activation_checkpointing:
+            return base
+        return dataclasses.replace(base, dtype=self.dtype, checkpoint=self.activation_checkpointing)
 
     def prompt_uid(self, data_position: int) -> int:
         """Stable id of the prompt at a data position (the same in both modes: ids are ids)."""
@@ -72,8 +83,10 @@ class Determinism:
         return sorted(results, key=lambda r: rank[r.uid])
 
 
-def setup(enabled: bool, seed: int) -> Determinism:
-    """Seed every RNG from the run seed and set torch's global determinism flags."""
+def setup(enabled: bool, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+          activation_checkpointing: bool = False) -> Determinism:
+    """Seed every RNG from the run seed (CUDA's too: torch.manual_seed seeds every device) and set torch's
+    global determinism flags, before any CUDA work (cuBLAS reads its workspace config at first use)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -87,4 +100,5 @@ def setup(enabled: bool, seed: int) -> Determinism:
     torch.backends.cudnn.benchmark = not enabled
     torch.backends.cuda.matmul.allow_tf32 = not enabled
     torch.backends.cudnn.allow_tf32 = not enabled
-    return Determinism(enabled=enabled, seed=seed)
+    return Determinism(enabled=enabled, seed=seed, device=torch.device(device), dtype=dtype,
+                       activation_checkpointing=activation_checkpointing)

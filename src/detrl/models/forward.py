@@ -15,8 +15,9 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from detrl.models.ops import Ops, moe_dispatch
+from detrl.models.ops import Ops
 
 
 @dataclass
@@ -61,8 +62,11 @@ class Weights:
                 dst.copy_(src)
 
 
-def fuse(model) -> Weights:
-    """The model's weights as the forward consumes them (differentiable: gradients flow to the model)."""
+def fuse(model, dtype: torch.dtype | None = None) -> Weights:
+    """The model's weights as the forward consumes them (differentiable: gradients flow to the model).
+
+    dtype: the compute dtype (e.g. bf16 copies of float32 master weights; None or the model's own: no cast).
+    """
     c, inner = model.config, model.model
     layers = []
     for layer in inner.layers:
@@ -79,7 +83,10 @@ def fuse(model) -> Weights:
             o=a.o_proj.weight,
             post_norm=layer.post_attention_layernorm.weight,
             gate_up=gate_up, down=down, router=router))
-    return Weights(inner.embed_tokens.weight, layers, inner.norm.weight, model.lm_head.weight, c)
+    w = Weights(inner.embed_tokens.weight, layers, inner.norm.weight, model.lm_head.weight, c)
+    if dtype is None or dtype == w.embed.dtype:
+        return w
+    return w.map(lambda t: t.to(dtype))
 
 
 @dataclass
@@ -88,26 +95,32 @@ class KVCache:
     v: list[torch.Tensor]
 
     @classmethod
-    def empty(cls, config, batch: int, ctx_len: int) -> KVCache:
+    def empty(cls, config, batch: int, ctx_len: int, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> KVCache:
         shape = (batch, config.num_key_value_heads, ctx_len, config.head_dim)
-        return cls([torch.zeros(shape) for _ in range(config.num_hidden_layers)],
-                   [torch.zeros(shape) for _ in range(config.num_hidden_layers)])
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)])
 
 
-def rope_tables(config, ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config, ctx_len: int, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, signed sin [ctx_len, D]: transformers' values for positions 0..ctx_len-1, with the first half of
-    sin negated so that rotate_half becomes a roll (see _rope)."""
+    sin negated so that rotate_half becomes a roll (see _rope). Computed on the CPU in float32 on every
+    device (the same values everywhere), then cast to the compute dtype as transformers does."""
     dim = config.head_dim
     theta = config.rope_parameters["rope_theta"]
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [D/2]
     freqs = torch.arange(ctx_len, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [L, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
     sin = emb.sin()
-    return emb.cos(), torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), dim=-1)  # rotate_half's sign folded in
+    cos, sin = emb.cos(), torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), dim=-1)  # rotate_half's sign folded in
+    return cos.to(device, dtype), sin.to(device, dtype)
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    """transformers' Qwen3RMSNorm: statistics in float32, normalised x back in x's dtype, times w."""
+    xf = x.float()  # float32 input: the same tensor (no copy, the same bits as before)
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -115,66 +128,84 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
-def _attention_block(lw: LayerWeights, x, rot, mask, slot, layer, cache, ctx_len, ops: Ops, config):
-    b, t, _ = x.shape
-    hd, heads, eps = config.head_dim, config.num_attention_heads, config.rms_norm_eps
-    qkv = ops.linear(x, lw.qkv).view(b, t, -1, hd)  # [B, T, Hq + 2 Hkv, D]
-    qk = _rope(_rms_norm(qkv[:, :, : lw.qk_norm.shape[0]], lw.qk_norm, eps), *rot).transpose(1, 2)  # [B, Hq+Hkv, T, D]
-    q, k = qk[:, :heads], qk[:, heads:]
-    v = qkv[:, :, lw.qk_norm.shape[0] :].transpose(1, 2)  # [B, Hkv, T, D]
+def layer_pre(h, input_norm, qkv_w, qk_norm, cos, sin, ops: Ops, heads: int, hd: int, eps: float):
+    """The first half of a layer: input norm, the q/k/v gemm, q/k norms, rope. -> q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
+    b, t, _ = h.shape
+    qkv = ops.linear(_rms_norm(h, input_norm, eps), qkv_w).view(b, t, -1, hd)  # [B, T, Hq + 2 Hkv, D]
+    qk = _rope(_rms_norm(qkv[:, :, : qk_norm.shape[0]], qk_norm, eps), cos, sin).transpose(1, 2)  # [B, Hq+Hkv, T, D]
+    return qk[:, :heads], qk[:, heads:], qkv[:, :, qk_norm.shape[0] :].transpose(1, 2)
+
+
+def layer_post(h, q, keys, values, mask, o_w, post_norm, gate_up, down, router, ops: Ops, top_k: int,
+               norm_topk_prob: bool, hd: int, eps: float):
+    """The second half: attention over the keys, the o gemm and residual, the post norm, the MLP and residual."""
+    b, t, _ = h.shape
+    out = ops.attention(q, keys, values, mask, hd**-0.5)  # [B, Hq, T, D] (grouped-query: Hq = rep x Hkv)
+    h = h + ops.linear(out.transpose(1, 2).reshape(b, t, -1), o_w)
+    x = _rms_norm(h, post_norm, eps)
+    if router is not None:  # Qwen3-MoE sparse block
+        flat = x.reshape(-1, x.shape[-1])  # [N, H]
+        top_w, top_i = ops.route(ops.linear(flat, router), top_k, norm_topk_prob)
+        return h + ops.moe(flat, top_w, top_i, gate_up, down, ops.linear, ops.silu).view_as(x)
+    gate, up = ops.linear(x, gate_up).chunk(2, dim=-1)
+    return h + ops.linear(ops.silu(gate) * up, down)
+
+
+def _keys_values(k, v, slot, layer: int, cache: KVCache | None, ctx_len: int):
+    """The keys and values a layer attends to: the sequence's own (training), or the cache after writing k, v."""
+    t = k.shape[2]
     if cache is None:  # whole sequences: the keys are the sequence itself
         if t != ctx_len:
             raise ValueError(f"sequence length {t} must equal ctx_len {ctx_len}")
-        keys, values = k, v
-    elif t == 1:  # decode: each row writes its own slot (scatter_: index_put_ is slow in deterministic mode)
-        keys, values = cache.k[layer].scatter_(2, slot, k), cache.v[layer].scatter_(2, slot, v)
-    else:  # prefill from position 0
-        cache.k[layer][:, :, :t] = k
-        cache.v[layer][:, :, :t] = v
-        keys, values = cache.k[layer], cache.v[layer]
-    out = ops.attention(q, keys, values, mask, config.head_dim**-0.5)  # [B, Hq, T, D] (grouped-query: Hq = rep x Hkv)
-    return ops.linear(out.transpose(1, 2).reshape(b, t, -1), lw.o)
-
-
-def _mlp_block(lw: LayerWeights, x, ops: Ops, config):
-    if lw.router is not None:  # Qwen3-MoE sparse block
-        flat = x.reshape(-1, x.shape[-1])  # [N, H]
-        top_w, top_i = ops.route(ops.linear(flat, lw.router), config.num_experts_per_tok, config.norm_topk_prob)
-        return moe_dispatch(flat, top_w, top_i, lw.gate_up, lw.down, ops.linear, ops.silu).view_as(x)
-    gate, up = ops.linear(x, lw.gate_up).chunk(2, dim=-1)
-    return ops.linear(ops.silu(gate) * up, lw.down)
+        return k, v
+    if t == 1:  # decode: each row writes its own slot (scatter_: index_put_ is slow in deterministic mode)
+        return cache.k[layer].scatter_(2, slot, k), cache.v[layer].scatter_(2, slot, v)
+    cache.k[layer][:, :, :t] = k  # prefill from position 0
+    cache.v[layer][:, :, :t] = v
+    return cache.k[layer], cache.v[layer]
 
 
 def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KVCache | None = None,
-            positions: torch.Tensor | None = None, last: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
+            positions: torch.Tensor | None = None, last: torch.Tensor | None = None,
+            head: bool = True, stages=(layer_pre, layer_post)) -> torch.Tensor:
     """tokens [B, T] -> logits [B, T, V] (or [B, V] at index `last` [B] of each row).
 
-    head False: the final-normed hidden states [B, T, H] instead, for callers that apply the lm_head to
-    chunks of rows (`detrl.models.logprobs`: logprobs without a [B, T, V] tensor).
     `model`: a transformers Qwen3 model or its `fuse`d Weights. cache None: whole left-aligned sequences of
     length ctx_len (training). With a cache: T > 1 is a prefill at positions 0..T-1; T == 1 is a decode
-    step at `positions` [B, 1].
+    step at `positions` [B, 1]. head=False: the final normed hidden states [B, T, H] instead of logits.
+    stages: (layer_pre, layer_post) or compiled versions of them (the CUDA engine's decode step); the
+    cache write between them stays outside (a compiled in-place write into a graph input copies the cache).
     """
-    w = model if isinstance(model, Weights) else fuse(model)
+    w = model if isinstance(model, Weights) else fuse(model, ops.dtype)
     c = w.config
     b, t = tokens.shape
+    dev = tokens.device
     if positions is None:
-        positions = torch.arange(t).expand(b, t)
+        positions = torch.arange(t, device=dev).expand(b, t)
     cos, sin = rope
     rot = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, T, 1, D], shared by heads and layers
-    mask = torch.arange(ctx_len)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]
+    mask = torch.arange(ctx_len, device=dev)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]
     slot = None
     if cache is not None and t == 1:  # the cache slot each row writes, shared by the layers
         slot = positions[:, None, :, None].expand(b, c.num_key_value_heads, 1, c.head_dim)  # [B, Hkv, 1, D]
-    eps = c.rms_norm_eps
+    eps, hd = c.rms_norm_eps, c.head_dim
+    top_k, norm_topk = getattr(c, "num_experts_per_tok", 0), getattr(c, "norm_topk_prob", False)
+    pre, post = stages
     h = w.embed[tokens]  # [B, T, H]
+
+    def layer(h, lw, i):
+        q, k, v = pre(h, lw.input_norm, lw.qkv, lw.qk_norm, *rot, ops, c.num_attention_heads, hd, eps)
+        keys, values = _keys_values(k, v, slot, i, cache, ctx_len)
+        return post(h, q, keys, values, mask, lw.o, lw.post_norm, lw.gate_up, lw.down, lw.router, ops, top_k,
+                    norm_topk, hd, eps)
+
+    recompute = ops.checkpoint and cache is None and torch.is_grad_enabled()
     for i, lw in enumerate(w.layers):
-        h = h + _attention_block(lw, _rms_norm(h, lw.input_norm, eps), rot, mask, slot, i, cache, ctx_len, ops, c)
-        h = h + _mlp_block(lw, _rms_norm(h, lw.post_norm, eps), ops, c)
+        h = checkpoint(layer, h, lw, i, use_reentrant=False) if recompute else layer(h, lw, i)
     if last is not None:
-        h = h[torch.arange(b), last]  # [B, H]
+        h = h[torch.arange(b, device=dev), last]  # [B, H]
     h = _rms_norm(h, w.norm, eps)
-    return ops.linear(h, w.lm_head) if head else h  # [B, T, V] or [B, V]; head False: [B, T, H]
+    return ops.linear(h, w.lm_head) if head else h  # [B, T, V] or [B, V] (or [B, (T,) H])
 
 
 def log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from detrl.models.forward import Weights, forward, log_probs
+from detrl.models.forward import Weights, forward, fuse, log_probs
 
 CHUNK_ELEMENTS = 2**24  # logits per chunk (64 MiB of fp32)
 _ROWS = 16  # chunk sizes are multiples of this (the batch-invariant gemm's row tile)
@@ -55,8 +55,9 @@ def sequence_logprobs(model, input_ids: torch.Tensor, mask: torch.Tensor, ops, c
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each next token where `mask` [N, L-1] is nonzero (0 elsewhere) -> [N, L-1], and its
     distribution's entropy [N, L-1] when asked. input_ids [N, L], left-aligned, L = ctx_len."""
-    hidden = forward(model, input_ids, ops, ctx_len, rope, head=False)[:, :-1]  # [N, L-1, H]
-    w = model.lm_head if isinstance(model, Weights) else model.lm_head.weight
+    weights = model if isinstance(model, Weights) else fuse(model, ops.dtype)  # compute-dtype copies on GPUs
+    hidden = forward(weights, input_ids, ops, ctx_len, rope, head=False)[:, :-1]  # [N, L-1, H]
+    w = weights.lm_head
     idx = mask.reshape(-1).nonzero().squeeze(-1)  # [M] flat positions of the scored tokens
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)  # [M, H]
     targets = input_ids[:, 1:].reshape(-1).index_select(0, idx)  # [M]

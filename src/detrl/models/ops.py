@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 ROW_TILE = 16
-_ROW_INVARIANT: dict[tuple[int, int, torch.dtype], bool] = {}
+_ROW_INVARIANT: dict[tuple[int, int, torch.dtype, str], bool] = {}
 
 
 def _tiled_linear(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -36,17 +36,19 @@ def _tiled_linear(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.reshape(padded, w.shape[0])[:m]
 
 
-def _gemm_is_row_invariant(k: int, n: int, dtype: torch.dtype) -> bool:
+def _gemm_is_row_invariant(k: int, n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Measure once per shape: do F.linear and batched matmul give each row the same bits for any
     row count >= ROW_TILE?
 
     On torch 2.13 CPU (AVX512) they do (only calls with < 12 rows take other kernels); where they do
-    not, the ops below fall back to forms that are invariant by construction but slower.
+    not, the ops below fall back to forms that are invariant by construction but slower. The answer is
+    measured on, and cached for, the device of the call (a CPU measurement never certifies a GPU).
     """
-    key = (k, n, dtype)
+    device = torch.device(device)
+    key = (k, n, dtype, f"{device.type}:{device.index or 0}" if device.type != "cpu" else "cpu")
     if key not in _ROW_INVARIANT:
         g = torch.Generator().manual_seed(k * 7919 + n)
-        x, w = torch.randn(300, k, generator=g, dtype=dtype), torch.randn(n, k, generator=g, dtype=dtype)
+        x, w = (torch.randn(shape, generator=g).to(device, dtype) for shape in ((300, k), (n, k)))
         xb, wb = x.view(3, 100, k), w.t().expand(3, k, n)
         with torch.no_grad():
             ref = _tiled_linear(x, w)
@@ -62,7 +64,7 @@ def _gemm_is_row_invariant(k: int, n: int, dtype: torch.dtype) -> bool:
 def bi_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T with per-row results independent of the number of rows. x (..., K), w (N, K)."""
     k = x.shape[-1]
-    invariant = _gemm_is_row_invariant(k, w.shape[0], x.dtype)
+    invariant = _gemm_is_row_invariant(k, w.shape[0], x.dtype, x.device)
     if invariant and x.numel() >= ROW_TILE * k:
         return F.linear(x, w)
     rows = x.reshape(-1, k)  # [M, K]
@@ -105,7 +107,8 @@ def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     hkv, length = k.shape[1], k.shape[-2]
     rep = h // hkv
     q = q.reshape(b, hkv, rep * t, d)  # rows (r, t) of each kv group
-    fast = _gemm_is_row_invariant(d, length, q.dtype) and _gemm_is_row_invariant(length, d, q.dtype)
+    fast = (_gemm_is_row_invariant(d, length, q.dtype, q.device)
+            and _gemm_is_row_invariant(length, d, q.dtype, q.device))
     if fast and t == 1 and rep < ROW_TILE:  # a decode step: its rep rows share one mask row
         return _decode_attention(q, k, v, mask, scale).reshape(b, h, t, d)
     if fast:
@@ -135,6 +138,21 @@ def _decode_attention(q, k, v, mask, scale) -> torch.Tensor:
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention for CUDA's default op set, by the forward's contract: T > 1 query rows sit at positions
+    0..T-1 (training, prefill), so they attend causally to the first T keys (flash attention, no mask);
+    a decode step (T == 1) attends to the whole fixed key length under its mask, as two batched gemms
+    with the grouped-query heads of a kv head stacked as rows (no copy of the cache)."""
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    if t > 1:
+        return F.scaled_dot_product_attention(q, k[:, :, :t], v[:, :, :t], is_causal=True, scale=scale,
+                                              enable_gqa=h != hkv)
+    scores = torch.matmul(q.view(b, hkv, h // hkv, d), k.transpose(-1, -2)).float() * scale  # [B, Hkv, rep, L]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)  # mask [B, 1, 1, L]
+    return torch.matmul(probs, v).view(b, h, 1, d)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,14 +190,42 @@ def moe_dispatch(x, top_w, top_i, gate_up, down, linear, silu) -> torch.Tensor:
     return out
 
 
+def grouped_moe(x, top_w, top_i, gate_up, down, linear, silu) -> torch.Tensor:
+    """moe_dispatch with static shapes and no host sync (CUDA graphs can capture it): the N k (token,
+    expert) pairs sorted by expert run as two grouped gemms (torch._grouped_mm over per-expert offsets),
+    and each token sums its k expert outputs in slot order (no atomics). `linear` is unused: the grouped
+    gemm is the op. x [N, H] -> [N, H].
+    """
+    n, k = top_i.shape
+    experts = gate_up.shape[0]
+    flat = top_i.reshape(-1)  # [N k]
+    order = torch.argsort(flat, stable=True)  # [N k] pairs grouped by expert, ascending
+    counts = torch.zeros(experts, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end of each expert's rows
+    xs = x[order // k]  # [N k, H]
+    gate, up = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # [N k, I] each
+    ys = torch._grouped_mm(silu(gate) * up, down.transpose(-2, -1), offs=offs)  # [N k, H]
+    y = torch.empty_like(ys).index_copy_(0, order, ys).view(n, k, -1)  # back to (token, slot) order
+    return (y * top_w.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
 @dataclass(frozen=True)
 class Ops:
+    """A forward's numerics: the kernels, the MoE dispatch, the compute dtype of the weights (None: the
+    model's own) and whether the trainer recomputes each layer in the backward (activation checkpointing)."""
+
     name: str
     linear: Callable
     silu: Callable
     attention: Callable
     route: Callable
+    moe: Callable = moe_dispatch
+    dtype: torch.dtype | None = None
+    checkpoint: bool = False
 
 
 DEFAULT_OPS = Ops("default", F.linear, F.silu, sdpa_attention, route_topk)
 BATCH_INVARIANT_OPS = Ops("batch_invariant", bi_linear, bi_silu, bi_attention, route)
+# CUDA: torch's kernels, with the MoE as grouped gemms (static shapes, no host sync: graph-capturable)
+CUDA_DEFAULT_OPS = Ops("cuda_default", F.linear, F.silu, cuda_attention, route_topk, moe=grouped_moe)

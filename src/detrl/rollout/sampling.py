@@ -40,17 +40,18 @@ def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, key
     if positions.dim() == 2:
         s = s[:, None]  # [B, 1]
     h = _mix32((s + _mix32(positions & _M32)) & _M32)  # [B] or [B, T]
-    h = _mix32((h[..., None] + _vocab_key(vocab)) & _M32)  # [B, (T,) V]
+    h = _mix32((h[..., None] + _vocab_key(vocab, s.device)) & _M32)  # [B, (T,) V]
     return (h.double() + 0.5) / 2.0**32
 
 
-_VOCAB_KEYS: dict[int, torch.Tensor] = {}
+_VOCAB_KEYS: dict[tuple[int, str], torch.Tensor] = {}
 
 
-def _vocab_key(vocab: int) -> torch.Tensor:
-    if vocab not in _VOCAB_KEYS:
-        _VOCAB_KEYS[vocab] = _mix32(torch.arange(vocab, dtype=torch.int64) + 0x632BE5AB)
-    return _VOCAB_KEYS[vocab]
+def _vocab_key(vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    key = (vocab, str(device))
+    if key not in _VOCAB_KEYS:
+        _VOCAB_KEYS[key] = _mix32(torch.arange(vocab, dtype=torch.int64, device=device) + 0x632BE5AB)
+    return _VOCAB_KEYS[key]
 
 
 def gumbel(u: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,282 @@
+"""detrl on one GPU: the CUDA engine vs transformers `generate`, the trainer step, and one GRPO step vs TRL.
+
+    python benchmarks/gpu.py [--out DIR] [--sections rollout,grpo,trl] [--hf-moe-tokens 32]
+
+Models: Qwen3-0.6B's shape (conf/model/qwen3_0p6b.yaml) and Qwen3-30B-A3B's layer shape with 6 layers
+(conf/model/qwen3_moe_a3b_6l.yaml), random init, bf16 compute (float32 master weights in the trainer).
+- rollout: 256 new tokens per sequence (no stop token), batch 64 and 256, prompts of the arithmetic task;
+  the engine (determinism off: unseeded sampling, torch kernels, CUDA-graph decode) vs
+  `model.generate(do_sample=True, top_k=0, top_p=1.0)` on a bf16 copy, same process, same prompts.
+- grpo: detrl's `train()` on 8 prompts x 8 samples x 256 new tokens (GRPO, no reference model, one optimizer
+  step per batch, determinism off); per-step times from its metrics (rollout, update, params fingerprint).
+- trl: TRL 1.16 GRPOTrainer on the same work (use_vllm=False, bf16, no gradient checkpointing, beta 0).
+Writes results.json and table.md into --out and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from detrl.config import ModelConfig, register_configs, to_typed  # noqa: E402
+from detrl.data import ArithmeticTask, build_tokenizer, exact_match_reward  # noqa: E402
+from detrl.models.build import hf_config  # noqa: E402
+from detrl.warmstart import encode  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
+DENSE, MOE = "qwen3_0p6b", "qwen3_moe_a3b_6l"
+PROMPTS, SAMPLES, NEW = 8, 8, 256
+RESULTS: dict = {}
+
+
+def model_cfg(name: str) -> ModelConfig:
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return to_typed(compose("train", overrides=[f"model={name}", "logger=none"])).model
+
+
+def random_model(name: str):
+    """The shape, random init on the GPU (fast), float32."""
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+    cfg = model_cfg(name)
+    cls = Qwen3ForCausalLM if cfg.name == "qwen3" else Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return cls(hf_config(cfg)).float().eval()
+
+
+def prompts(batch: int) -> list[list[int]]:
+    """Arithmetic prompts of one length (single-digit operands), repeated to `batch`."""
+    tok = build_tokenizer()
+    task = ArithmeticTask(0, 9, ["+"], seed=0)
+    ids = [encode(tok, task[i].prompt) for i in range(len(task))]
+    ids = [x for x in ids if len(x) == len(ids[0])]
+    return [ids[i % len(ids)] for i in range(batch)]
+
+
+def timed(fn, repeats: int = 1) -> float:
+    ts = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def rollout_section(name: str, batches: list[int], hf_tokens: int) -> None:
+    """hf_tokens 0: the engine alone."""
+    from detrl.models.forward import rope_tables  # noqa: F401
+    from detrl.models.ops import CUDA_DEFAULT_OPS
+    from detrl.rollout import SamplingParams
+    from detrl.rollout.base import Request
+    from detrl.rollout.cuda import CudaEngine
+
+    model = random_model(name)
+    ctx = -(-(len(prompts(1)[0]) + NEW) // 8) * 8
+    ops = dataclasses.replace(CUDA_DEFAULT_OPS, dtype=torch.bfloat16)
+    engine = CudaEngine(model, ops, ctx, SamplingParams(1.0, 1.0, NEW, ()), seed=0, max_batch_size=max(batches),
+                        fixed_routing=False)
+    hf = model.to(torch.bfloat16)  # the engine holds its own bf16 copy; generate runs on the bf16 model
+    del model
+    for b in batches:
+        reqs = [Request(i // 8, i % 8, tuple(p)) for i, p in enumerate(prompts(b))]
+        t0 = time.perf_counter()
+        first = engine.generate(reqs)  # captures this bucket's graph
+        capture_s = time.perf_counter() - t0
+        assert all(len(r.tokens) == NEW for r in first)
+        torch.cuda.reset_peak_memory_stats()
+        eng_s = timed(lambda reqs=reqs: engine.generate(reqs), repeats=3)
+        eng_mem = torch.cuda.max_memory_allocated() / 2**30
+        RESULTS[f"engine/{name}/b{b}"] = dict(engine_s=eng_s, engine_tok_s=b * NEW / eng_s,
+                                              engine_first_call_s=capture_s, engine_peak_gib=eng_mem)
+        print(f"engine {name} b={b}: {b * NEW / eng_s:,.0f} tok/s ({eng_s:.3f} s; first call {capture_s:.2f} s), "
+              f"peak {eng_mem:.1f} GiB", flush=True)
+        if not hf_tokens:
+            continue
+        ids = torch.tensor(prompts(b), device="cuda")
+        kw = dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=hf_tokens,
+                  min_new_tokens=hf_tokens, pad_token_id=0, eos_token_id=None)
+        hf.generate(ids, attention_mask=torch.ones_like(ids), **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        torch.cuda.reset_peak_memory_stats()
+        hf_s = timed(lambda ids=ids, kw=kw: hf.generate(ids, attention_mask=torch.ones_like(ids), **kw))
+        hf_mem = torch.cuda.max_memory_allocated() / 2**30
+        eng_tps, hf_tps = b * NEW / eng_s, b * hf_tokens / hf_s
+        RESULTS[f"rollout/{name}/b{b}"] = dict(
+            engine_s=eng_s, engine_tok_s=eng_tps, engine_first_call_s=capture_s, engine_peak_gib=eng_mem,
+            generate_s=hf_s, generate_tok_s=hf_tps, generate_new_tokens=hf_tokens, generate_peak_gib=hf_mem,
+            speedup=eng_tps / hf_tps)
+        print(f"rollout {name} b={b}: engine {eng_tps:,.0f} tok/s ({eng_s:.2f} s), generate {hf_tps:,.0f} tok/s "
+              f"({hf_s:.2f} s for {hf_tokens} tokens) -> {eng_tps / hf_tps:.1f}x", flush=True)
+    engine.close()
+
+
+def grpo_section(name: str, steps: int, out: Path, determinism: str = "off") -> None:
+    from detrl.trainer import train
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = to_typed(compose("train", overrides=[
+            f"model={name}", "device=cuda", f"determinism={determinism}", f"steps={steps}",
+            f"train_batch_size={PROMPTS}", f"rollout.n={SAMPLES}", f"rollout.max_new_tokens={NEW}",
+            "rollout.max_batch_size=256", "algo.use_kl_loss=false", "seed=0", f"micro_batch_size={PROMPTS * SAMPLES}",
+            "logger=none", "checkpoint.save_final=false", "lr=1e-6"]))
+    torch.cuda.reset_peak_memory_stats()
+    run = out / f"grpo_{name}_{determinism}"
+    train(cfg, run)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    # the params fingerprint (a host copy + xxhash of the float32 weights) is inside timing_s/step: time it apart
+    from detrl.fingerprint import params_digest
+    from detrl.models.build import build_model
+
+    fp_s = _fingerprint_time(build_model(cfg.model, seed=0).cuda(), params_digest)
+    later = rows[1:]  # step 1 captures the graphs and warms the allocator
+    step = statistics.median(r["timing_s/step"] for r in later)
+    roll = statistics.median(r["timing_s/rollout"] for r in later)
+    RESULTS[f"grpo/{name}/{determinism}"] = dict(
+        step_s=step, rollout_s=roll, update_and_sync_s=step - roll - fp_s, params_fingerprint_s=fp_s,
+        step_without_fingerprint_s=step - fp_s, first_step_s=rows[0]["timing_s/step"], peak_gib=peak,
+        steps=[r["timing_s/step"] for r in rows], reward=[r["critic/score/mean"] for r in rows])
+    print(f"grpo {name}: step {step:.3f} s (rollout {roll:.3f}, fingerprint {fp_s:.3f}), peak {peak:.1f} GiB",
+          flush=True)
+    torch.cuda.empty_cache()
+
+
+def _fingerprint_time(model, params_digest) -> float:
+    return timed(lambda: params_digest(model), repeats=3)
+
+
+def trl_section(name: str, steps: int, out: Path) -> None:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = build_tokenizer()
+    task = ArithmeticTask(0, 9, ["+"], seed=0)
+    answers = {task[i].prompt: task[i].answer for i in range(len(task))}
+    data = Dataset.from_list([{"prompt": task[i % len(task)].prompt} for i in range(PROMPTS * (steps + 1))])
+
+    def reward(prompts, completions, **kwargs):
+        return [exact_match_reward(c, answers[p]) for p, c in zip(prompts, completions)]
+
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t0)
+
+    kw = dict(per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES, max_completion_length=NEW,
+              beta=0.0, num_iterations=1, steps_per_generation=1, gradient_accumulation_steps=1, learning_rate=1e-6,
+              max_steps=steps, use_vllm=False, bf16=True, gradient_checkpointing=False, report_to="none",
+              save_strategy="no", logging_steps=10_000, disable_tqdm=True, shuffle_dataset=False, temperature=1.0,
+              seed=0, top_k=0, top_p=1.0)
+    args = GRPOConfig(output_dir=str(out / "trl"), **kw)
+    defaults = GRPOConfig(output_dir=str(out / "trl"))
+    diff = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig)
+            if f.name != "output_dir" and repr(getattr(args, f.name)) != repr(getattr(defaults, f.name))}
+    print("TRL GRPOConfig args that differ from its defaults:", diff, flush=True)
+    import trl
+
+    torch.manual_seed(0)
+    model = random_model(name).train()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
+                          callbacks=[Timer()])
+    torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    RESULTS[f"trl/{name}"] = dict(step_s=statistics.median(times[1:]), steps=times, peak_gib=peak,
+                                  version=trl.__version__, args_not_default={k: repr(v) for k, v in diff.items()})
+    print(f"trl {name}: step {statistics.median(times[1:]):.3f} s, peak {peak:.1f} GiB", flush=True)
+    trainer.model = None
+
+
+def table() -> str:
+    dev = torch.cuda.get_device_name()
+    lines = [f"{dev}, torch {torch.__version__}, {datetime.date.today().isoformat()}", ""]
+    lines += ["| rollout (256 new tokens/seq) | batch | detrl engine tok/s | generate tok/s | vs generate | "
+              "engine peak GiB |", "|---|---|---|---|---|---|"]
+    for k, v in RESULTS.items():
+        if k.startswith("rollout/"):
+            _, name, b = k.split("/")
+            note = "" if v["generate_new_tokens"] == NEW else f" ({v['generate_new_tokens']} tokens)"
+            lines.append(f"| {name} | {b[1:]} | {v['engine_tok_s']:,.0f} | {v['generate_tok_s']:,.0f}{note} | "
+                         f"{v['speedup']:.1f}x | {v['engine_peak_gib']:.1f} |")
+    lines += ["", f"| GRPO step, {PROMPTS} prompts x {SAMPLES} samples x {NEW} tokens | step (s) | rollout (s) | "
+              "update + sync (s) | params fingerprint (s) | step w/o fingerprint (s) | vs TRL | peak GiB |",
+              "|---|---|---|---|---|---|---|---|"]
+    for k, v in RESULTS.items():
+        if k.startswith("grpo/"):
+            _, name, det = k.split("/")
+            trl = RESULTS.get(f"trl/{name}")
+            vs = f"{v['step_s'] / trl['step_s']:.3f}x ({v['step_without_fingerprint_s'] / trl['step_s']:.3f}x)" \
+                if trl else "-"
+            lines.append(f"| detrl {name} determinism={det} | {v['step_s']:.3f} | {v['rollout_s']:.3f} | "
+                         f"{v['update_and_sync_s']:.3f} | {v['params_fingerprint_s']:.3f} | "
+                         f"{v['step_without_fingerprint_s']:.3f} | {vs} | {v['peak_gib']:.1f} |")
+    for k, v in RESULTS.items():
+        if k.startswith("trl/"):
+            lines.append(f"| TRL {v['version']} GRPOTrainer {k.split('/')[1]} | {v['step_s']:.3f} | - | - | - | - | "
+                         f"1.00x | {v['peak_gib']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sections", default="rollout,grpo,trl")
+    ap.add_argument("--hf-moe-tokens", type=int, default=32, help="generate's new tokens on the MoE (slow)")
+    ap.add_argument("--grpo-steps", type=int, default=5)
+    args = ap.parse_args()
+    register_configs()
+    out = Path(args.out or tempfile.mkdtemp())
+    out.mkdir(parents=True, exist_ok=True)
+    sections = args.sections.split(",")
+    jobs = []  # the targets first: the GRPO step vs TRL, then the rollout tables
+    if "grpo" in sections:
+        jobs += [lambda: grpo_section(DENSE, args.grpo_steps, out)]
+    if "trl" in sections:
+        jobs += [lambda: trl_section(DENSE, 4, out)]
+    if "rollout" in sections:
+        jobs += [lambda: rollout_section(DENSE, [64, 256], NEW), lambda: rollout_section(MOE, [64, 256],
+                                                                                          args.hf_moe_tokens)]
+    if "engine" in sections:
+        jobs += [lambda: rollout_section(DENSE, [64, 256], 0), lambda: rollout_section(MOE, [64, 256], 0)]
+    if "grpo_moe" in sections:
+        jobs += [lambda: grpo_section(MOE, 3, out)]
+    for job in jobs:
+        try:
+            job()
+        except Exception:  # noqa: BLE001 - report and go on: one failing section must not lose the others
+            traceback.print_exc()
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        (out / "results.json").write_text(json.dumps(RESULTS, indent=1))
+    t = table()
+    (out / "table.md").write_text(t + "\n")
+    print("\n" + t)
+
+
+if __name__ == "__main__":
+    main()
