@@ -25,7 +25,7 @@ from detrl.algos.core import entropy_from_logp, masked_mean
 from detrl.collect import GroupSource, StepBatch, collect, collect_partial
 from detrl.config import TrainConfig
 from detrl.data import ArithmeticTask, build_tokenizer
-from detrl.fingerprint import floats_digest, ints_digest, params_digest
+from detrl.fingerprint import drift_step, params_digest, rollout_fingerprints
 from detrl.models.build import build_model
 from detrl.models.forward import forward, rope_tables, token_logprobs
 from detrl.rollout import EmbeddedEngine, SamplingParams
@@ -143,9 +143,7 @@ def rollout_metrics(batch: StepBatch, adv: torch.Tensor) -> dict[str, float | st
         "overlong/penalty_mean": (batch.scores - batch.correct).mean().item(),
         "dapo/kept_groups": batch.kept_groups,
         "dapo/gen_batches": batch.gen_rounds,
-        "fp/rollout_tokens": ints_digest(r.tokens for r in batch.results),
-        "fp/rollout_logprobs": floats_digest(r.logprobs for r in batch.results),
-        "fp/batch_order": ints_digest([r.uid for r in batch.results]),
+        **rollout_fingerprints(batch.results),  # content digests keyed by (uid, sample), and the order apart
     }
 
 
@@ -242,6 +240,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             metrics.update(rollout_metrics(batch, adv))
             metrics.update(batch.stats)
             metrics["fp/params"] = params_digest(model)
+            metrics.update(drift_step(run_dir, step, model, batch.results))  # drift.jsonl: sketches, for distances
             metrics["timing_s/rollout"] = t_rollout
             metrics["timing_s/step"] = time.perf_counter() - t0
             metrics["perf/throughput"] = float(batch.mask.sum()) / metrics["timing_s/step"]
