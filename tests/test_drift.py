@@ -9,7 +9,15 @@ import pytest
 import torch
 import yaml
 
-from detrl.analysis import distances, first_divergence, load_drift, load_sweep, load_wandb, pair_distance, verdicts
+from detrl.analysis import (
+    distances,
+    first_divergence,
+    load_drift,
+    load_sweep,
+    load_wandb,
+    pair_distance,
+    verdicts,
+)
 from detrl.fingerprint import (
     drift_step,
     flat_params,

@@ -29,6 +29,7 @@ from detrl.analysis.findings import (  # noqa: E402
     divergence_sentence,
     facts,
     parse_cell,
+    reward_sentence,
     time_sentence,
     without,
 )
@@ -72,15 +73,15 @@ def _grid(sweep: Sweep, cells=None, width: float = 4.2, height: float = 3.0):
     panels = sorted({_panel(c) for c in cells})
     ncol = min(2, len(panels)) or 1
     nrow = max(1, math.ceil(len(panels) / ncol))
-    fig, axes = plt.subplots(nrow, ncol, figsize=(width * ncol, height * nrow + 0.9), sharex=True, sharey=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(max(width * ncol, 7.0), height * nrow + 1.2), sharex=True,
+                             sharey=True, squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     return fig, dict(zip(panels, axes.flat))
 
 
-def _legend(fig, partial: bool) -> None:
-    handles = [plt.Line2D([], [], color=COLOR[m], label=f"determinism={m}") for m in ("on", "off")]
+def _legend(fig, partial: bool, modes: tuple[str, ...] = ("on", "off")) -> None:
+    handles = [plt.Line2D([], [], color=COLOR[m], label=f"determinism={m}") for m in modes]
     if partial:
         handles += [plt.Line2D([], [], color="grey", ls=STYLE[p], label=f"partial={p}") for p in ("off", "on")]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
@@ -147,8 +148,7 @@ def fig_reward(sweep: Sweep):
     f = facts(sweep)
     if s.empty:
         return _empty("reward", "no complete runs")
-    title = (f"Reward: on and off end within {f['reward_gap_max']:.3f} of each other at step {f['reward_step']}; "
-             f"repeats of one cell spread by up to {f['reward_spread_max']:.3f}"
+    title = (reward_sentence(f).replace("; determinism=on changes", ".\ndeterminism=on changes").split("\n")[0]
              if f.get("reward_gap_max") is not None else "Reward per step (mean and min-max over repeats)")
     fig, axes = _grid(sweep, sorted(s.cell.unique()))
     for cell, g in s.groupby("cell"):
@@ -225,7 +225,7 @@ def fig_mismatch(sweep: Sweep):
         ax.set_xlabel("step")
         ax.set_ylabel("max |log p_train − log p_rollout| (nats)")
         ax.grid(alpha=0.3, which="both")
-    _legend(fig, any(_partial(c) for c in off_cells))
+    _legend(fig, any(_partial(c) for c in off_cells), modes=("off",))
     _finish(fig, title)
     return fig
 

@@ -9,7 +9,9 @@ import pandas as pd
 
 from detrl.analysis.drift import distances
 from detrl.analysis.load import Sweep
-from detrl.analysis.verdicts import spread, verdicts
+from detrl.analysis.verdicts import verdicts
+
+REWARD_WINDOW = 5  # the reward "at the end" is the mean over each run's last 5 steps
 
 
 def parse_cell(cell: str) -> dict[str, str]:
@@ -36,8 +38,9 @@ def facts(sweep: Sweep) -> dict:
     distance at the last step, reward gap and spread at the end, step-time ratio on/off, mismatch."""
     v = verdicts(sweep)
     f: dict = {"cells": len(v)}
+    f["incomplete_cells"] = int((v.repeats < 2).sum())
     for mode in ("on", "off"):
-        vm = v[v.determinism == mode]
+        vm = v[(v.determinism == mode) & (v.repeats >= 2)]  # cells with two complete repeats to compare
         div = vm[vm.first_divergence_step.notna()]
         f[mode] = {
             "cells": len(vm), "identical": int((vm.verdict == "bitwise identical").sum()),
@@ -56,19 +59,29 @@ def facts(sweep: Sweep) -> dict:
                 if len(d) else None
             f[mode]["distance_all_zero"] = bool(len(d)) and bool((dist[dist.cell.map(det) == mode]["max"] == 0).all())
         f["distance_step"] = int(dist.step.max())
-    # reward at the end: on vs off per setting (mean of repeats), and the spread across repeats
-    s = spread(sweep, "critic/score/mean")
-    if len(s):
-        end = s.loc[s.groupby("cell").step.idxmax()].set_index("cell")
-        det = v.set_index("cell").determinism
+        m = sweep.metrics
+        if len(m) and "drift/param_norm" in m:
+            f["param_norm"] = float(m[m.step == f["distance_step"]]["drift/param_norm"].median())
+    # reward at the end: mean of each run's last REWARD_WINDOW steps; per cell the mean over repeats and their
+    # spread (max - min); on vs off of each setting
+    complete = v.set_index("cell")
+    m = sweep.metrics
+    if len(m) and "critic/score/mean" in m:
+        runs = sweep.runs[sweep.runs.status == "complete"]
+        m = m[m.run.isin(runs.run)].sort_values("step")
+        tail = m.groupby("run").tail(REWARD_WINDOW).groupby(["cell", "run"])["critic/score/mean"].mean()
+        per_cell = tail.groupby(level="cell").agg(["mean", "min", "max"])
+        det = complete.determinism
         gaps = []
-        for _, g in end.groupby(lambda c: without(c, "determinism")):
+        for _, g in per_cell.groupby(lambda c: without(c, "determinism")):
             modes = {det[c]: g.loc[c, "mean"] for c in g.index}
             if {"on", "off"} <= set(modes):
                 gaps.append(abs(modes["on"] - modes["off"]))
-        f["reward_gap_max"] = max(gaps) if gaps else None
-        f["reward_spread_max"] = float((end["max"] - end["min"]).max())
-        f["reward_step"] = int(end.step.max())
+        if len(per_cell):
+            last = int(m.step.max())
+            f["reward_gap_max"] = max(gaps) if gaps else None
+            f["reward_spread_max"] = float((per_cell["max"] - per_cell["min"]).max())
+            f["reward_steps"] = (max(1, last - REWARD_WINDOW + 1), last)
     # step time: on / off for each setting
     t = v.set_index("cell")
     ratios = []
@@ -85,12 +98,15 @@ def divergence_sentence(f: dict) -> str:
     parts = []
     if on["cells"]:
         parts.append(f"{on['identical']} of {on['cells']} determinism=on cells are bitwise identical across repeats")
-    if off["cells"]:
+    if off["cells"] and off["diverging"]:
         stages = ", ".join(f"{s} in {n} of them" for s, n in off["stages"].most_common())
-        steps = " or ".join(str(s) for s in off["first_steps"]) or "-"
-        parts.append(f"{off['diverging']} of {off['cells']} determinism=off cells diverge, at step {steps}"
-                     + (f"; the first stage to differ (order -> tokens -> logprobs -> params) is {stages}"
-                        if stages else ""))
+        steps = " or ".join(str(s) for s in off["first_steps"])
+        parts.append(f"{off['diverging']} of {off['cells']} determinism=off cells diverge, at step {steps}; "
+                     f"the first stage to differ (order -> tokens -> logprobs -> params) is {stages}")
+    elif off["cells"]:
+        parts.append(f"none of the {off['cells']} determinism=off cells diverge")
+    if f["incomplete_cells"]:
+        parts.append(f"{f['incomplete_cells']} cells have fewer than 2 complete repeats")
     return _sentence(parts) or "No cells."
 
 
@@ -100,8 +116,9 @@ def distance_sentence(f: dict) -> str:
     out = []
     off, on = f["off"].get("distance_last"), f["on"].get("distance_last")
     if off:
-        out.append(f"off repeats end {_fmt(off[0])} apart in parameter L2 at step {f['distance_step']} "
-                   f"(median over cells, pairs range {_fmt(off[1])}-{_fmt(off[2])})")
+        rel = f" = {100 * off[0] / f['param_norm']:.2g}% of the parameter norm" if f.get("param_norm") else ""
+        out.append(f"off repeats end {_fmt(off[0])} apart in parameter L2 at step {f['distance_step']}{rel} "
+                   f"(median over cells; pairs range {_fmt(off[1])}-{_fmt(off[2])})")
     if on:
         out.append("on repeats stay at exactly 0" if f["on"]["distance_all_zero"]
                    else f"on repeats reach {_fmt(on[2])}")
@@ -119,7 +136,8 @@ def time_sentence(f: dict) -> str:
 def reward_sentence(f: dict) -> str:
     out = []
     if f.get("reward_gap_max") is not None:
-        out.append(f"at step {f['reward_step']} on and off reward means differ by at most {f['reward_gap_max']:.3f}, "
+        lo, hi = f["reward_steps"]
+        out.append(f"over steps {lo}-{hi} on and off mean rewards differ by at most {f['reward_gap_max']:.3f}, "
                    f"while repeats of one cell spread by up to {f['reward_spread_max']:.3f}")
     return _sentence([*out, time_sentence(f)])
 
