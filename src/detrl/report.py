@@ -135,7 +135,8 @@ def fig_param_distance(sweep: Sweep):
         ax.set_title(panel, fontsize=9)
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("step")
-        ax.set_ylabel("‖θ_a − θ_b‖₂ between repeats")
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("‖θ_a − θ_b‖₂ between repeats")
         ax.grid(alpha=0.3, which="major")
     _legend(fig, any(_partial(c) for c in dist.cell))
     _finish(fig, title)
@@ -159,7 +160,8 @@ def fig_reward(sweep: Sweep):
         ax.set_title(panel, fontsize=9)
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("step")
-        ax.set_ylabel("reward (fraction exact)")
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("reward (fraction exact)")
         ax.grid(alpha=0.3)
     _legend(fig, any(_partial(c) for c in s.cell))
     _finish(fig, title)
@@ -223,7 +225,8 @@ def fig_mismatch(sweep: Sweep):
         ax.set_title(panel, fontsize=9)
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("step")
-        ax.set_ylabel("max |log p_train − log p_rollout| (nats)")
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("max |log p_train − log p_rollout| (nats)")
         ax.grid(alpha=0.3, which="both")
     _legend(fig, any(_partial(c) for c in off_cells), modes=("off",))
     _finish(fig, title)
@@ -243,7 +246,7 @@ def fig_cost(sweep: Sweep):
     settings = sorted(per_run.setting.unique())
     f = facts(sweep)
     title = time_sentence(f) or "median step time"
-    fig, ax = plt.subplots(figsize=(max(6.5, 0.9 * len(settings) + 2), 4.2))
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.25 * len(settings) + 2), 4.4))
     width = 0.38
     for i, setting in enumerate(settings):
         times = {}
@@ -256,8 +259,11 @@ def fig_cost(sweep: Sweep):
             ax.bar(x, times[mode], width, color=COLOR[mode], label=f"determinism={mode}" if i == 0 else None)
             ax.plot([x] * len(sel), sel["timing_s/step"], "k.", ms=3)
         if len(times) == 2:
-            ax.text(i, max(times.values()) * 1.03, f"{times['on'] / times['off']:.2f}x", ha="center", fontsize=7)
+            top = per_run[per_run.setting == setting]["timing_s/step"].max()
+            ax.text(i, max(top, *times.values()) * 1.04, f"on/off {times['on'] / times['off']:.2f}x", ha="center",
+                    fontsize=7)
     ax.set_xticks(range(len(settings)), [s.replace(",", "\n") for s in settings], fontsize=7)
+    ax.set_ylim(0, per_run["timing_s/step"].max() * 1.12)
     ax.set_ylabel("median step time per run (s)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")

@@ -90,6 +90,13 @@ def facts(sweep: Sweep) -> dict:
         if {"on", "off"} <= set(modes) and modes["off"]:
             ratios.append(modes["on"] / modes["off"])
     f["time_ratio"] = (float(np.median(ratios)), min(ratios), max(ratios)) if ratios else None
+    # how much runs of one cell (same work) differ in median step time: the noise floor of those ratios
+    m = sweep.metrics
+    if len(m) and "timing_s/step" in m:
+        per_run = m[m.run.isin(sweep.runs[sweep.runs.status == "complete"].run)].groupby(["cell", "run"])[
+            "timing_s/step"].median()
+        noise = per_run.groupby(level="cell").agg(lambda x: x.max() / x.min() if x.min() > 0 else np.nan)
+        f["time_noise"] = float(noise.max()) if noise.notna().any() else None
     return f
 
 
@@ -130,7 +137,8 @@ def time_sentence(f: dict) -> str:
     if not r:
         return ""
     return (f"determinism=on changes the median step time by {100 * (r[0] - 1):+.0f}% "
-            f"({100 * (r[1] - 1):+.0f}% to {100 * (r[2] - 1):+.0f}% across settings)")
+            f"({100 * (r[1] - 1):+.0f}% to {100 * (r[2] - 1):+.0f}% across settings"
+            + (f"; repeats of one cell differ by up to {f['time_noise']:.2f}x" if f.get("time_noise") else "") + ")")
 
 
 def reward_sentence(f: dict) -> str:
