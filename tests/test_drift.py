@@ -16,6 +16,7 @@ from detrl.analysis import (
     load_sweep,
     load_wandb,
     pair_distance,
+    pair_divergences,
     verdicts,
 )
 from detrl.fingerprint import (
@@ -82,6 +83,8 @@ def test_the_analysis_names_order_as_the_first_stage_of_a_pure_reordering(tmp_pa
     assert v.first_divergence_stage == "order" and v.first_divergence_step == 1
     assert v.stages_differing_then == "order+params"  # tokens and logprobs equal: a pure reordering
     assert v.verdict == "diverges at step 1 in order"
+    pairs = pair_divergences(load_sweep(tmp_path))
+    assert list(pairs.stages) == ["order+params"] and list(pairs.step) == [1]
 
 
 # ---------------------------------------------------------------- sketches

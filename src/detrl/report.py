@@ -23,7 +23,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from detrl.analysis import Sweep, distances, findings, load_sweep, spread, verdicts  # noqa: E402
+from detrl.analysis import (  # noqa: E402
+    Sweep,
+    distances,
+    findings,
+    load_sweep,
+    pair_divergences,
+    spread,
+    verdicts,
+)
 from detrl.analysis.findings import (  # noqa: E402
     distance_sentence,
     divergence_sentence,
@@ -286,6 +294,15 @@ def summary_markdown(sweep: Sweep, name: str) -> str:
           "that differs at that step. `param_distance_last` = median L2 distance between repeats' parameters at "
           "the last step (from the drift sketches; exactly 0 where fp/params is equal).", "",
           markdown_table(v[VERDICT_COLUMNS]), ""]
+    pairs = pair_divergences(sweep)
+    if len(pairs):
+        by = pairs.groupby("stages").param_distance.agg(["count", "min", "median", "max"]).reset_index()
+        by = by.sort_values("median").rename(columns={"stages": "stages differing at the first divergence",
+                                                      "count": "pairs", "min": "distance min",
+                                                      "median": "distance median", "max": "distance max"})
+        md += ["Pairs of repeats by what differs at their first differing step, with their parameter L2 distance "
+               "at that step (a difference in params alone = the trainer; order + params = a pure reordering; "
+               "tokens = the engine sampled other tokens):", "", markdown_table(by), ""]
     if len(incomplete):
         md += ["Incomplete runs: " + ", ".join(f"`{r}` ({n} steps)" for r, n in
                                               zip(incomplete.run, incomplete.steps_logged)), ""]

@@ -22,6 +22,7 @@ from detrl.analysis.verdicts import (
     distinct_trajectories,
     divergence_matrix,
     first_divergence,
+    pair_divergences,
     spread,
     trajectory,
     verdicts,
@@ -30,5 +31,5 @@ from detrl.analysis.verdicts import (
 __all__ = [
     "FP_ORDER", "STAGE", "STAGES", "Sweep", "differing", "distances", "distinct_trajectories", "divergence_matrix",
     "findings", "first_divergence", "load_drift", "load_local", "load_metrics", "load_sweep", "load_wandb",
-    "pair_distance", "spread", "trajectory", "verdicts",
+    "pair_distance", "pair_divergences", "spread", "trajectory", "verdicts",
 ]

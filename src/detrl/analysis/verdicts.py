@@ -110,6 +110,26 @@ def verdicts(sweep: Sweep) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def pair_divergences(sweep: Sweep) -> pd.DataFrame:
+    """One row per pair of complete repeats of a cell: the first step where they differ, every stage that
+    differs there, and their parameter distance at that step (a pure reordering parts by rounding, ~1e-8;
+    other tokens by ~0.1-1)."""
+    from detrl.analysis.drift import pair_distance
+
+    out = []
+    for cell, runs in sweep.runs.groupby("cell", sort=True):
+        for a, b in combinations(_complete(sweep, runs), 2):
+            d = first_divergence(sweep.rows[a], sweep.rows[b])
+            if d is None:
+                continue
+            ra = next(r for r in sweep.rows[a] if r["step"] == d[0])
+            rb = next(r for r in sweep.rows[b] if r["step"] == d[0])
+            out.append({"cell": cell, "a": a, "b": b, "step": d[0],
+                        "stages": "+".join(STAGE[k] for k in differing(ra, rb)),
+                        "param_distance": pair_distance(sweep, a, b).get(d[0])})
+    return pd.DataFrame(out, columns=["cell", "a", "b", "step", "stages", "param_distance"])
+
+
 def divergence_matrix(sweep: Sweep) -> pd.DataFrame:
     """cells x steps: how many distinct fingerprint histories the complete repeats have up to that step."""
     table = {}
