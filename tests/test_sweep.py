@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from nbclient import NotebookClient
 
-from detrl.analysis import divergence_matrix, load_sweep, spread, verdicts
+from detrl.analysis import distances, divergence_matrix, load_sweep, spread, verdicts
 from detrl.cli import wandb_group
 from detrl.report import FIGURES, render
 from tests.conftest import CONF, ROOT
@@ -46,20 +46,32 @@ def test_determinism_on_cell_has_exactly_one_trajectory(sweep_dir):
 
 def test_report_renders_figures_and_summary(sweep_dir, tmp_path):
     out = render(sweep_dir, tmp_path / "report")
+    assert list(FIGURES) == ["distance", "reward", "verdicts", "mismatch", "cost"]
     for name in FIGURES:
         assert (out / f"{name}.png").stat().st_size > 1000
-    assert "bitwise identical" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    opening = summary.split("\n\n")[1]  # the findings, computed from the data, before the table
+    assert opening.startswith("1 of 1 determinism=on cells are bitwise identical") and opening.count(". ") >= 2
+    assert "on repeats stay at exactly 0" in opening and "bitwise identical" in summary
+
+
+def test_every_run_logs_drift_sketches_and_on_repeats_are_exactly_0_apart(sweep_dir):
+    sweep = load_sweep(sweep_dir)
+    assert all(sorted(d) == [1, 2, 3, 4] for d in sweep.drift.values())
+    dist = distances(sweep).set_index("cell")
+    assert (dist.loc["determinism=on", "max"] == 0).all()
+    assert "drift/param_norm" in sweep.metrics and (sweep.metrics["drift/param_norm"] > 0).all()
 
 
 def test_notebook_runs_headless_against_the_sweep(sweep_dir):
     nb = nbformat.read(ROOT / "notebooks" / "nondeterminism_report.ipynb", as_version=4)
     params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1
-    params[0].source = f"sweep_dir = {str(sweep_dir)!r}"
+    params[0].source = f"sweep_dir = {str(sweep_dir)!r}\nwandb_path = None"
     NotebookClient(nb, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
-    assert len(images) == 4
+    assert len(images) == len(FIGURES)
     verdict_html = next(o["data"]["text/html"] for c in nb.cells if c.cell_type == "code" for o in c.outputs
                         if "text/html" in o.get("data", {}))
     assert "bitwise identical" in verdict_html

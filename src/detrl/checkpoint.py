@@ -135,20 +135,24 @@ def restore(payload: dict, model, optimizer, ref_model, engine_generator: torch.
     return RunState(**payload["run"])
 
 
+STEP_LOGS = ("metrics.jsonl", "drift.jsonl")  # per-step files that a resume truncates to its checkpoint
+
+
 def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Keep metrics.jsonl rows up to `step` (the killed run may have logged past its last checkpoint)."""
+    """Keep the per-step logs' rows up to `step` (the killed run may have logged past its last checkpoint)."""
     import json
 
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                keep.append(line)
-        except (json.JSONDecodeError, KeyError):
-            break
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in keep))
-    tmp.replace(path)
+    for name in STEP_LOGS:
+        path = Path(run_dir) / name
+        if not path.is_file():
+            continue
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (json.JSONDecodeError, KeyError):
+                break
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in keep))
+        tmp.replace(path)

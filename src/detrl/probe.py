@@ -1,13 +1,23 @@
-"""Probe the engine for batch-composition nondeterminism, like SGLang's test_deterministic.
+"""Probe the engine for the sources of rollout nondeterminism, one cause per row.
 
-    python -m detrl.probe model=qwen3_moe determinism=off trials=50
+    python -m detrl.probe model=qwen3_moe trials=50
 
-The same target prompts go through the engine `trials` times under varying batch composition; per
-mode it prints how many distinct outputs (token sequences, and logprob bit patterns) each target got.
-Modes: `single` (the target alone or with copies of itself, batch sizes 1..N), `mixed` (with random
-other prompts at random places), `prefix` (with prompts sharing the target's prefix). With
-determinism on every count is 1. With off the shared sampling stream (`sampling=stream`) and the
-default kernels alone (`sampling=seeded`: per-request seeds, default kernels) are shown apart.
+The same target prompts go through one engine batch `trials` times; per row and batch-mate mode it
+prints how many distinct outputs (token sequences, and token + logprob bit patterns) a target got, worst
+of the targets. Each row lets exactly one thing vary between trials:
+
+| row | batch-mates | sampling noise | kernels | what it isolates |
+|---|---|---|---|---|
+| control | fixed | shared stream, reseeded alike each trial | default | nothing varies: must be 1 |
+| stream advance | fixed | shared stream, continuing across trials | batch-invariant | where the stream stands when the batch runs |
+| batch composition | vary | shared stream, reseeded alike each trial | batch-invariant | which slot of the stream's draws the target gets |
+| kernels | vary | per-sample seeds | default | the kernels' row results depending on batch-mates |
+| determinism=on | vary | per-sample seeds | batch-invariant | all pinned: must be 1 |
+
+Batch-mate modes (columns): `single` (copies of the target), `mixed` (random other prompts), `prefix`
+(prompts sharing a prefix with the target); batch sizes 1..max_bs, the target at a random slot. "fixed"
+rows use one batch of the mode for every trial. The config's `determinism` does not matter here: every
+row sets its own sampling and kernels.
 """
 
 from __future__ import annotations
@@ -15,66 +25,111 @@ from __future__ import annotations
 import dataclasses
 import random
 import sys
+from dataclasses import dataclass
 
 import hydra
+import torch
 from omegaconf import DictConfig
 
 from detrl.config import ConfigError, TrainConfig, register_configs, to_typed
+from detrl.models.ops import BATCH_INVARIANT_OPS, DEFAULT_OPS
 from detrl.rollout import EmbeddedEngine, Request
 
 MODES = ("single", "mixed", "prefix")
 
 
-def _batches(mode: str, target: Request, pool: list[tuple[int, ...]], trials: int, max_bs: int, rng: random.Random):
-    """`trials` batches for one mode, each containing `target` once; yields (batch, index of target)."""
-    for t in range(trials):
-        size = 1 + t % max_bs
-        if mode == "single":
-            others = [target.prompt_ids] * (size - 1)
-        elif mode == "mixed":
-            others = [rng.choice(pool) for _ in range(size - 1)]
-        else:  # prefix: the target's prompt cut short and completed with other digits
-            cut = rng.randint(1, len(target.prompt_ids) - 1)
-            others = [target.prompt_ids[:cut] + rng.choice(pool)[cut:] or target.prompt_ids for _ in range(size - 1)]
-        batch = [dataclasses.replace(target, prompt_uid=target.prompt_uid + 1 + i, prompt_ids=ids)
-                 for i, ids in enumerate(others)]
-        pos = rng.randint(0, len(batch))
-        batch.insert(pos, target)
-        yield batch, pos
+@dataclass(frozen=True)
+class Row:
+    mates: str  # "fixed": the same batch every trial | "vary": new batch-mates, size and slot each trial
+    sampling: str  # "reseeded": shared stream, reseeded alike per trial | "advancing": shared stream, not reseeded
+    #                | "seeded": per-sample seeds
+    kernels: str  # "default" | "batch_invariant"
 
 
-def probe(cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, seeded: bool | None = None):
-    """-> {mode: (max distinct token outputs, max distinct logprob patterns)} over the targets."""
+ROWS = {
+    "control": Row("fixed", "reseeded", "default"),
+    "stream advance": Row("fixed", "advancing", "batch_invariant"),
+    "batch composition": Row("vary", "reseeded", "batch_invariant"),
+    "kernels": Row("vary", "seeded", "default"),
+    "determinism=on": Row("vary", "seeded", "batch_invariant"),
+}
+
+
+def _batch(mode: str, target: Request, pool: list[tuple[int, ...]], size: int, rng: random.Random,
+           seeded: bool) -> tuple[list[Request], int]:
+    """One batch of `size` holding `target` once at a random slot; -> (batch, the target's slot)."""
+    if mode == "single":
+        others = [target.prompt_ids] * (size - 1)
+    elif mode == "mixed":
+        others = [rng.choice(pool) for _ in range(size - 1)]
+    else:  # prefix: the target's prompt cut short and completed with another prompt's tail
+        cut = rng.randint(1, len(target.prompt_ids) - 1)
+        others = [target.prompt_ids[:cut] + rng.choice(pool)[cut:] or target.prompt_ids for _ in range(size - 1)]
+    batch = [dataclasses.replace(target, prompt_uid=target.prompt_uid + 1 + i, prompt_ids=ids,
+                                 seed=rng.getrandbits(62) if seeded else None)
+             for i, ids in enumerate(others)]
+    pos = rng.randint(0, len(batch))
+    batch.insert(pos, target)
+    return batch, pos
+
+
+def probe(cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, rows: dict[str, Row] | None = None
+          ) -> dict[str, dict[str, tuple[int, int]]]:
+    """-> {row: {mode: (max distinct token outputs, max distinct token+logprob outputs)}} over the targets."""
     from detrl.determinism import stable_hash
     from detrl.trainer import build
     from detrl.warmstart import encode
 
+    rows = ROWS if rows is None else rows
     det, tokenizer, task, ctx_len, model, params = build(cfg)
-    engine = EmbeddedEngine(model, det.ops, ctx_len, params, seed=cfg.seed, num_workers=1,
-                            max_batch_size=max_bs, fixed_routing=det.fixed_routing)
+    engines = {name: EmbeddedEngine(model, ops, ctx_len, params, seed=cfg.seed, num_workers=1, max_batch_size=max_bs)
+               for name, ops in (("default", DEFAULT_OPS), ("batch_invariant", BATCH_INVARIANT_OPS))}
     pool = [tuple(encode(tokenizer, task[i].prompt)) for i in range(len(task))]
-    use_seed = det.enabled if seeded is None else seeded
-    rng = random.Random(cfg.seed)
-    counts = {}
-    for mode in MODES:
-        worst = (0, 0)
-        for j in range(targets):
-            uid = det.prompt_uid(j)
-            target = Request(uid * 1000, 0, pool[j], stable_hash("probe", cfg.seed, j) if use_seed else None)
-            outs = []
-            for batch, pos in _batches(mode, target, pool, trials, max_bs, rng):
-                res = engine.run_batch(batch)[pos]
-                outs.append((tuple(res.tokens), tuple(res.logprobs)))
-            worst = max(worst[0], len({o[0] for o in outs})), max(worst[1], len(set(outs)))
-        counts[mode] = worst
-    return counts
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    try:
+        for row_name, row in rows.items():
+            engine = engines[row.kernels]
+            torch.use_deterministic_algorithms(row.kernels == "batch_invariant")  # as the engine's workers do
+            seeded = row.sampling == "seeded"
+            out[row_name] = {}
+            for mode in MODES:
+                worst = (0, 0)
+                for j in range(targets):
+                    seed = stable_hash("probe", cfg.seed, j) if seeded else None
+                    target = Request(det.prompt_uid(j) * 1000, 0, pool[j], seed)
+                    rng = random.Random(stable_hash("probe-mates", cfg.seed, mode, j))
+                    stream_seed = stable_hash("probe-stream", cfg.seed, j)
+                    engine.sampler.generator.manual_seed(stream_seed)
+                    fixed = _batch(mode, target, pool, 1 + max_bs // 2, rng, seeded) if row.mates == "fixed" else None
+                    outs = []
+                    for t in range(trials):
+                        batch, pos = fixed or _batch(mode, target, pool, 1 + t % max_bs, rng, seeded)
+                        if row.sampling == "reseeded":
+                            engine.sampler.generator.manual_seed(stream_seed)
+                        res = engine.run_batch(batch)[pos]
+                        outs.append((tuple(res.tokens), tuple(res.logprobs)))
+                    worst = max(worst[0], len({o[0] for o in outs})), max(worst[1], len(set(outs)))
+                out[row_name][mode] = worst
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        for e in engines.values():
+            e.close()
+    return out
 
 
-def format_table(rows: dict[str, dict[str, tuple[int, int]]], trials: int) -> str:
-    lines = [f"| setting | {' | '.join(MODES)} |", "|---|" + "---|" * len(MODES)]
-    for name, counts in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{counts[m][0]} tokens / {counts[m][1]} logprobs" for m in MODES) + " |")
-    return f"distinct outputs per target over {trials} trials (worst of 3 targets; 1 = deterministic)\n" + "\n".join(lines)
+def format_table(counts: dict[str, dict[str, tuple[int, int]]], trials: int, label: str = "") -> str:
+    lines = [f"| {label or 'row'} | batch-mates | sampling noise | kernels | {' | '.join(MODES)} |",
+             "|---|---|---|---|" + "---|" * len(MODES)]
+    sampling = {"reseeded": "shared stream, reseeded per trial", "advancing": "shared stream, advancing",
+                "seeded": "per-sample seeds"}
+    for name, by_mode in counts.items():
+        row = ROWS.get(name)
+        desc = [row.mates, sampling[row.sampling], row.kernels.replace("_", "-")] if row else ["", "", ""]
+        lines.append(f"| {name} | " + " | ".join(desc) + " | "
+                     + " | ".join(f"{by_mode[m][0]} / {by_mode[m][1]}" for m in MODES) + " |")
+    return (f"distinct outputs of a target over {trials} trials, tokens / tokens+logprobs (worst of 3 targets; "
+            "1 = deterministic)\n" + "\n".join(lines))
 
 
 register_configs()
@@ -87,12 +142,7 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, ValueError) as e:
         print(f"detrl.probe: config error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
-    trials = typed.trials
-    name = f"{typed.model.name} determinism={typed.determinism.name}"
-    rows = {f"{name} sampling={'seeded' if typed.determinism.enabled else 'stream'}": probe(typed, trials)}
-    if not typed.determinism.enabled:
-        rows[f"{name} sampling=seeded"] = probe(typed, trials, seeded=True)
-    print(format_table(rows, trials))
+    print(format_table(probe(typed, typed.trials), typed.trials, label=typed.model.name))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
 """Render a sweep's nondeterminism report: PNG figures and a markdown summary, without Jupyter.
 
-    python -m detrl.report outputs/sweeps/determinism_matrix_<time>  [--out DIR]
+    python -m detrl.report outputs/sweeps/determinism_matrix_<time>  [--out DIR] [--wandb ENTITY/PROJECT/GROUP]
 
-The notebook `notebooks/nondeterminism_report.ipynb` calls the same functions.
+One function per figure, each with one idea; `FIGURES` lists them in reading order. The notebook
+`notebooks/nondeterminism_report.ipynb` calls the same functions. Colours: determinism on = blue, off =
+orange, everywhere; line style: partial rollout off = solid, on = dashed. Panels: one per setting other
+than determinism and partial (model x algo in the determinism matrix). Titles state what the data say
+(computed by `detrl.analysis.findings`).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -17,10 +23,30 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from detrl.analysis import Sweep, divergence_matrix, load_sweep, spread, verdicts  # noqa: E402
+from detrl.analysis import (  # noqa: E402
+    Sweep,
+    distances,
+    findings,
+    load_sweep,
+    pair_divergences,
+    spread,
+    verdicts,
+)
+from detrl.analysis.findings import (  # noqa: E402
+    distance_sentence,
+    divergence_sentence,
+    facts,
+    parse_cell,
+    reward_sentence,
+    time_sentence,
+    without,
+)
 
-VERDICT_COLUMNS = ["cell", "repeats", "distinct_trajectories", "first_divergence_step", "first_divergence_fp",
-                   "reward_last", "step_time_s", "mismatch_max", "verdict"]
+COLOR = {"on": "tab:blue", "off": "tab:orange"}
+STYLE = {"off": "-", "on": "--", None: "-"}  # partial rollout
+VERDICT_COLUMNS = ["cell", "repeats", "distinct_trajectories", "first_divergence_step", "first_divergence_stage",
+                   "stages_differing_then", "param_distance_last", "reward_last", "step_time_s", "mismatch_max",
+                   "verdict"]
 
 
 def markdown_table(df: pd.DataFrame) -> str:
@@ -34,95 +60,280 @@ def markdown_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def fig_divergence(sweep: Sweep):
-    mat = divergence_matrix(sweep)
-    fig, ax = plt.subplots(figsize=(max(6, 0.35 * mat.shape[1] + 4), 0.45 * len(mat) + 1.6))
-    im = ax.imshow(mat.values, aspect="auto", cmap="Reds", vmin=1, vmax=max(2, int(mat.values.max())))
-    ax.set_yticks(range(len(mat)), mat.index, fontsize=7)
-    ax.set_xticks(range(mat.shape[1]), mat.columns, fontsize=7)
-    ax.set_xlabel("step")
-    ax.set_title("distinct trajectories across repeats (1 = bitwise identical)")
-    fig.colorbar(im, ax=ax, fraction=0.03)
-    fig.tight_layout()
+# ---------------------------------------------------------------- layout helpers
+
+
+def _det(cell: str) -> str | None:
+    return parse_cell(cell).get("determinism")
+
+
+def _partial(cell: str) -> str | None:
+    return parse_cell(cell).get("partial")
+
+
+def _panel(cell: str) -> str:
+    return without(cell, "determinism", "partial")
+
+
+def _grid(sweep: Sweep, cells=None, width: float = 4.2, height: float = 3.0):
+    """One subplot per panel (shared axes); -> (fig, {panel: ax})."""
+    cells = sorted(sweep.runs.cell.unique()) if cells is None else cells
+    panels = sorted({_panel(c) for c in cells})
+    ncol = min(2, len(panels)) or 1
+    nrow = max(1, math.ceil(len(panels) / ncol))
+    fig, axes = plt.subplots(nrow, ncol, figsize=(max(width * ncol, 7.0), height * nrow + 1.2), sharex=True,
+                             sharey=True, squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    return fig, dict(zip(panels, axes.flat))
+
+
+def _legend(fig, partial: bool, modes: tuple[str, ...] = ("on", "off")) -> None:
+    handles = [plt.Line2D([], [], color=COLOR[m], label=f"determinism={m}") for m in modes]
+    if partial:
+        handles += [plt.Line2D([], [], color="grey", ls=STYLE[p], label=f"partial={p}") for p in ("off", "on")]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+
+
+def _wrap(title: str, width: int) -> str:
+    return "\n".join(textwrap.fill(line, width) for line in title.split("\n"))
+
+
+def _finish(fig, title: str) -> None:
+    width = int(fig.get_figwidth() * 12)  # characters per line at fontsize 10
+    fig.suptitle(_wrap(title, width), fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
+
+
+def _empty(title: str, text: str):
+    fig, ax = plt.subplots(figsize=(7, 2.5))
+    ax.axis("off")
+    ax.text(0.5, 0.5, text, ha="center", va="center")
+    _finish(fig, title)
     return fig
 
 
-def _curves(sweep: Sweep, metric: str, title: str, ylog: bool = False):
-    s = spread(sweep, metric)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    det = sweep.runs.drop_duplicates("cell").set_index("cell").determinism
-    # on and off of the same setting share a colour; solid = on, dashed = off
-    base = {c: ",".join(p for p in c.split(",") if not p.startswith("determinism=")) or "default" for c in det.index}
-    colors = {b: f"C{i}" for i, b in enumerate(sorted(set(base.values())))}
-    for cell, g in s.groupby("cell"):
-        style = "-" if det.get(cell) == "on" else "--"
-        color = colors[base[cell]]
-        ax.plot(g.step, g["mean"], style, color=color, label=cell, lw=1.2)
-        ax.fill_between(g.step, g["min"], g["max"], color=color, alpha=0.12)
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    if ylog:
-        ax.set_yscale("symlog", linthresh=1e-9)
-    ax.set_xlabel("step")
-    ax.set_ylabel(metric)
-    ax.set_title(title)
-    ax.legend(fontsize=6, loc="best")
-    fig.tight_layout()
+# ---------------------------------------------------------------- figures
+
+
+def fig_param_distance(sweep: Sweep):
+    """(1) Parameter L2 distance between repeats vs step, per cell: median line, min-max band; log y, with
+    distances that are exactly 0 drawn on a floor line labelled so."""
+    dist = distances(sweep, "param")
+    title = distance_sentence(facts(sweep))
+    if dist.empty:
+        return _empty(title, "no drift.jsonl in these runs")
+    positive = dist[["min", "median", "max"]].to_numpy()
+    positive = positive[positive > 0]
+    floor = 10 ** (math.floor(math.log10(positive.min())) - 1) if positive.size else 1e-8
+    fig, axes = _grid(sweep, sorted(dist.cell.unique()))
+    for cell, g in dist.groupby("cell"):
+        ax, color, ls = axes[_panel(cell)], COLOR.get(_det(cell), "grey"), STYLE.get(_partial(cell), "-")
+        med = g["median"].where(g["median"] > 0, floor)
+        ax.plot(g.step, med, ls, color=color, lw=1.3)
+        ax.fill_between(g.step, g["min"].clip(lower=floor), g["max"].clip(lower=floor), color=color, alpha=0.15)
+        zero = g[g["max"] == 0]
+        ax.plot(zero.step, [floor] * len(zero), "o", ms=3, color=color, mfc="white" if ls == "--" else color)
+    for panel, ax in axes.items():
+        ax.set_yscale("log")
+        ax.set_ylim(floor / 3, None)
+        ticks = [t for t in ax.get_yticks() if t > floor * 1.01]
+        ax.set_yticks([floor, *ticks], ["exactly 0", *[f"1e{round(math.log10(t))}" for t in ticks]])
+        ax.set_ylim(floor / 3, max(positive.max() * 3, floor * 10) if positive.size else floor * 10)
+        ax.set_title(panel, fontsize=9)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel("step")
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("‖θ_a − θ_b‖₂ between repeats")
+        ax.grid(alpha=0.3, which="major")
+    _legend(fig, any(_partial(c) for c in dist.cell))
+    _finish(fig, title)
     return fig
 
 
 def fig_reward(sweep: Sweep):
-    return _curves(sweep, "critic/score/mean", "reward: mean and min-max band over repeats (solid = on, dashed = off)")
+    """(2) Reward mean with the min-max band across repeats, one panel per setting, on vs off overlaid."""
+    s = spread(sweep, "critic/score/mean")
+    f = facts(sweep)
+    if s.empty:
+        return _empty("reward", "no complete runs")
+    title = (reward_sentence(f).replace("; determinism=on changes", ".\ndeterminism=on changes").split("\n")[0]
+             if f.get("reward_gap_max") is not None else "Reward per step (mean and min-max over repeats)")
+    fig, axes = _grid(sweep, sorted(s.cell.unique()))
+    for cell, g in s.groupby("cell"):
+        ax, color, ls = axes[_panel(cell)], COLOR.get(_det(cell), "grey"), STYLE.get(_partial(cell), "-")
+        ax.plot(g.step, g["mean"], ls, color=color, lw=1.2)
+        ax.fill_between(g.step, g["min"], g["max"], color=color, alpha=0.12)
+    for panel, ax in axes.items():
+        ax.set_title(panel, fontsize=9)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel("step")
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("reward (fraction exact)")
+        ax.grid(alpha=0.3)
+    _legend(fig, any(_partial(c) for c in s.cell))
+    _finish(fig, title)
+    return fig
 
 
-def fig_mismatch(sweep: Sweep):
-    return _curves(sweep, "mismatch/train_rollout_logprob_abs_diff_max",
-                   "max |logp_trainer - logp_rollout| over response tokens (0 = true on-policy)", ylog=True)
-
-
-def fig_timing(sweep: Sweep):
-    v = verdicts(sweep)
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(v) + 1.5))
-    colors = ["tab:blue" if d == "on" else "tab:orange" for d in v.determinism]
-    ax.barh(v.cell, v.step_time_s, color=colors)
-    ax.set_xlabel("median step time (s)")
-    ax.set_title("time cost of determinism (blue = on, orange = off)")
-    ax.tick_params(axis="y", labelsize=7)
+def fig_verdicts(sweep: Sweep):
+    """(3) The verdict table as a figure: per cell, how many steps its repeats stay bitwise identical, and
+    the step and first stage where they part."""
+    v = verdicts(sweep).sort_values(["determinism", "cell"], ascending=[False, True]).reset_index(drop=True)
+    steps = sweep.runs.set_index("cell").steps_expected.groupby(level=0).max()
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(v) + 1.6))
+    for i, r in v.iterrows():
+        total = int(steps.get(r.cell) or sweep.runs.steps_logged.max() or 0)
+        same = int(r.first_divergence_step) - 1 if r.first_divergence_step == r.first_divergence_step \
+            and r.first_divergence_step is not None else total
+        color = COLOR.get(r.determinism, "grey")
+        ax.barh(i, same, color=color, alpha=0.85, height=0.6)
+        if r.verdict == "bitwise identical":
+            text = f"identical at all {total} steps"
+        elif r.first_divergence_step is None or r.first_divergence_step != r.first_divergence_step:
+            text = r.verdict
+        else:
+            extra = r.stages_differing_then.split("+")[1:] if isinstance(r.stages_differing_then, str) else []
+            text = (f"step {int(r.first_divergence_step)}: {r.first_divergence_stage}"
+                    + (f" (then also {', '.join(extra)})" if extra else ""))
+        ax.text(same + 0.3, i, text, va="center", fontsize=7)
+    ax.set_yticks(range(len(v)), [without(c, "determinism") + f"  [{d}]" for c, d in zip(v.cell, v.determinism)],
+                  fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(int(steps.max() if len(steps) and steps.notna().any() else 1), 1) * 1.45)
+    ax.set_xlabel("steps with every fingerprint equal across repeats")
+    ax.grid(alpha=0.3, axis="x")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOR[m], label=f"determinism={m}") for m in ("on", "off")]
+    ax.legend(handles=handles, fontsize=7, loc="lower right")
+    fig.suptitle(_wrap(divergence_sentence(facts(sweep)), 120), fontsize=9)
     fig.tight_layout()
     return fig
 
 
-FIGURES = {"divergence": fig_divergence, "reward": fig_reward, "mismatch": fig_mismatch, "timing": fig_timing}
+def fig_mismatch(sweep: Sweep):
+    """(4) Trainer/rollout logprob mismatch over steps for the off cells (on cells are exactly 0)."""
+    key = "mismatch/train_rollout_logprob_abs_diff_max"
+    s = spread(sweep, key)
+    f = facts(sweep)
+    off_cells = sorted(c for c in s.cell.unique() if _det(c) != "on")
+    on_max = f["on"]["mismatch_max"]
+    if not off_cells:
+        return _empty("trainer/rollout mismatch", "no determinism=off cells")
+    title = (f"Off: trainer and rollout logprobs of the same tokens differ by up to {f['off']['mismatch_max']:.1e} "
+             "nats" + ("; on: exactly 0 at every step (true on-policy)" if on_max == 0 else
+                       f"; on: up to {on_max:.1e}" if on_max is not None else ""))
+    fig, axes = _grid(sweep, off_cells)
+    for cell in off_cells:
+        g = s[s.cell == cell]
+        ax, ls = axes[_panel(cell)], STYLE.get(_partial(cell), "-")
+        ax.plot(g.step, g["mean"], ls, color=COLOR["off"], lw=1.2)
+        ax.fill_between(g.step, g["min"], g["max"], color=COLOR["off"], alpha=0.15)
+    for panel, ax in axes.items():
+        ax.set_yscale("log")
+        ax.set_title(panel, fontsize=9)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel("step")
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("max |log p_train − log p_rollout| (nats)")
+        ax.grid(alpha=0.3, which="both")
+    _legend(fig, any(_partial(c) for c in off_cells), modes=("off",))
+    _finish(fig, title)
+    return fig
 
 
-def render(sweep_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write <out>/{divergence,reward,mismatch,timing}.png and <out>/summary.md; returns out."""
-    sweep = load_sweep(sweep_dir)
-    out = Path(out) if out else Path(sweep_dir) / "report"
+def fig_cost(sweep: Sweep):
+    """(5) Cost: median step time, on vs off side by side per setting, with the on/off ratio."""
+    complete = sweep.runs[sweep.runs.status == "complete"].run
+    m = sweep.metrics[sweep.metrics.run.isin(complete)] if len(sweep.metrics) else sweep.metrics
+    if m.empty:
+        return _empty("cost", "no complete runs")
+    per_run = m.groupby(["cell", "run"])["timing_s/step"].median().reset_index()
+    per_run["setting"] = per_run.cell.map(lambda c: without(c, "determinism"))
+    per_run["det"] = per_run.cell.map(_det)
+    cell_time = per_run.groupby("cell")["timing_s/step"].median()  # = verdicts' step_time_s
+    settings = sorted(per_run.setting.unique())
+    f = facts(sweep)
+    title = time_sentence(f) or "median step time"
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.25 * len(settings) + 2), 4.4))
+    width = 0.38
+    for i, setting in enumerate(settings):
+        times = {}
+        for j, mode in enumerate(("on", "off")):
+            sel = per_run[(per_run.setting == setting) & (per_run.det == mode)]
+            if not len(sel):
+                continue
+            x = i + (j - 0.5) * width
+            times[mode] = cell_time[sel.cell.iloc[0]]
+            ax.bar(x, times[mode], width, color=COLOR[mode], label=f"determinism={mode}" if i == 0 else None)
+            ax.plot([x] * len(sel), sel["timing_s/step"], "k.", ms=3)
+        if len(times) == 2:
+            top = per_run[per_run.setting == setting]["timing_s/step"].max()
+            ax.text(i, max(top, *times.values()) * 1.04, f"on/off {times['on'] / times['off']:.2f}x", ha="center",
+                    fontsize=7)
+    ax.set_xticks(range(len(settings)), [s.replace(",", "\n") for s in settings], fontsize=7)
+    ax.set_ylim(0, per_run["timing_s/step"].max() * 1.12)
+    ax.set_ylabel("median step time per run (s)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    ax.set_title(title + "\n(bars: median over repeats; dots: each run)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = {"distance": fig_param_distance, "reward": fig_reward, "verdicts": fig_verdicts,
+           "mismatch": fig_mismatch, "cost": fig_cost}
+
+
+def summary_markdown(sweep: Sweep, name: str) -> str:
+    v = verdicts(sweep)
+    incomplete = sweep.runs[sweep.runs.status != "complete"]
+    md = [f"# Nondeterminism report: `{name}`", "", " ".join(findings(sweep)), "",
+          f"{len(sweep.runs)} runs in {v.shape[0]} cells; {len(incomplete)} incomplete; source: {sweep.source}. "
+          "First divergence = the first step where any two repeats differ, and the first differing stage there "
+          "in pipeline order (order -> tokens -> logprobs -> params); `stages_differing_then` lists every stage "
+          "that differs at that step. `param_distance_last` = median L2 distance between repeats' parameters at "
+          "the last step (from the drift sketches; exactly 0 where fp/params is equal).", "",
+          markdown_table(v[VERDICT_COLUMNS]), ""]
+    pairs = pair_divergences(sweep)
+    if len(pairs):
+        by = pairs.groupby("stages").param_distance.agg(["count", "min", "median", "max"]).reset_index()
+        by = by.sort_values("median").rename(columns={"stages": "stages differing at the first divergence",
+                                                      "count": "pairs", "min": "distance min",
+                                                      "median": "distance median", "max": "distance max"})
+        md += ["Pairs of repeats by what differs at their first differing step, with their parameter L2 distance "
+               "at that step (a difference in params alone = the trainer; order + params = a pure reordering; "
+               "tokens = the engine sampled other tokens):", "", markdown_table(by), ""]
+    if len(incomplete):
+        md += ["Incomplete runs: " + ", ".join(f"`{r}` ({n} steps)" for r, n in
+                                              zip(incomplete.run, incomplete.steps_logged)), ""]
+    md += [f"![{n}]({n}.png)" for n in FIGURES]
+    return "\n".join(md) + "\n"
+
+
+def render(sweep_dir: str | Path | None, out: str | Path | None = None, wandb_path: str | None = None) -> Path:
+    """Write <out>/<figure>.png for each of FIGURES and <out>/summary.md; returns out."""
+    sweep = load_sweep(sweep_dir, wandb_path=wandb_path)
+    out = Path(out) if out else Path(sweep_dir or ".") / "report"
     out.mkdir(parents=True, exist_ok=True)
     for name, make in FIGURES.items():
         fig = make(sweep)
         fig.savefig(out / f"{name}.png", dpi=110)
         plt.close(fig)
-    v = verdicts(sweep)
-    incomplete = sweep.runs[sweep.runs.status != "complete"]
-    md = [f"# Nondeterminism report: `{Path(sweep_dir).name}`", "",
-          f"{len(sweep.runs)} runs in {v.shape[0]} cells; {len(incomplete)} incomplete.", "",
-          markdown_table(v[VERDICT_COLUMNS]), ""]
-    if len(incomplete):
-        md += ["Incomplete runs: " + ", ".join(f"`{r}` ({n} steps)" for r, n in
-                                              zip(incomplete.run, incomplete.steps_logged)), ""]
-    md += [f"![{name}]({name}.png)" for name in FIGURES]
-    (out / "summary.md").write_text("\n".join(md) + "\n")
+    (out / "summary.md").write_text(summary_markdown(sweep, Path(sweep_dir or wandb_path).name))
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m detrl.report", description=__doc__.splitlines()[0])
-    ap.add_argument("sweep_dir")
+    ap.add_argument("sweep_dir", nargs="?", default=None)
     ap.add_argument("--out", default=None, help="output dir (default: SWEEP_DIR/report)")
+    ap.add_argument("--wandb", default=None, metavar="ENTITY/PROJECT/GROUP",
+                    help="read the runs from W&B (falls back to SWEEP_DIR when W&B does not answer)")
     args = ap.parse_args(argv)
+    if not args.sweep_dir and not args.wandb:
+        ap.error("give SWEEP_DIR, --wandb, or both")
     try:
-        out = render(args.sweep_dir, args.out)
+        out = render(args.sweep_dir, args.out, args.wandb)
     except FileNotFoundError as e:
         print(f"detrl.report: {e}", file=sys.stderr)
         sys.exit(2)

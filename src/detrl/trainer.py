@@ -36,7 +36,7 @@ from detrl.config import ConfigError, TrainConfig
 from detrl.data import build_task, stop_token_ids, tokenizer_for
 from detrl.device import resolve_device, resolve_dtype, to_device
 from detrl.evaluate import Evaluator
-from detrl.fingerprint import floats_digest, ints_digest, params_digest
+from detrl.fingerprint import drift_step, params_digest, rollout_fingerprints
 from detrl.models.build import build_model, checkpoint_architecture
 from detrl.models.forward import rope_tables
 from detrl.models.logprobs import sequence_logprobs
@@ -209,9 +209,7 @@ def rollout_metrics(batch: StepBatch, adv: torch.Tensor) -> dict[str, float | st
         "overlong/penalty_mean": (batch.scores - batch.correct).mean().item(),
         "dapo/kept_groups": batch.kept_groups,
         "dapo/gen_batches": batch.gen_rounds,
-        "fp/rollout_tokens": ints_digest(r.tokens for r in batch.results),
-        "fp/rollout_logprobs": floats_digest(r.logprobs for r in batch.results),
-        "fp/batch_order": ints_digest([r.uid for r in batch.results]),
+        **rollout_fingerprints(batch.results),  # content digests keyed by (uid, sample), and the order apart
     }
 
 
@@ -332,6 +330,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             metrics.update(batch.stats)
             metrics["fp/params"] = params_digest(model)
             metrics.update(layer_fingerprints(model, cfg, step))
+            metrics.update(drift_step(run_dir, step, model, batch.results))  # drift.jsonl: sketches, for distances
             metrics["timing_s/rollout"] = t_rollout
             metrics["timing_s/step"] = time.perf_counter() - t0
             metrics["perf/throughput"] = float(batch.mask.sum()) / metrics["timing_s/step"]
