@@ -31,6 +31,8 @@ class Tracker:
                 tags=list(cfg.tags) + list(tags or []), config=config, dir=str(run_dir), mode=mode,
                 job_type=job_type or run_name, settings=wandb.Settings(silent=True, console="off"), **where,
             )
+            # the drift sketches (drift.jsonl) travel with the run, so distances can be computed from W&B
+            self.wandb_run.save(str(Path(run_dir) / "drift.jsonl"), base_path=str(run_dir), policy="end")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **metrics}
