@@ -161,7 +161,9 @@ def test_stale_token_modes_change_what_they_should(tmp_path):
 def test_partial_rollout_off_runs_with_the_async_cut(tmp_path, cut):
     rows = run_tiny(tmp_path, "rollout.partial.enabled=true", "determinism=off", "rollout.max_batch_size=4",
                     f"rollout.partial.off_cut={cut}", "rollout.partial.time_budget_s=0.001")
-    assert len(rows) == 3 and all(r["dapo/kept_groups"] == 8 for r in rows)
+    # the cut really is async: samples are aborted where they are and carried into the next step
+    assert any(r["response/aborted_ratio"] > 0 for r in rows)
+    assert any(r["partial/carried"] > 0 for r in rows[1:])
 
 
 def test_max_staleness_restarts_old_partial_samples(tmp_path):
