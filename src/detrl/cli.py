@@ -44,6 +44,12 @@ def main_task(cfg: DictConfig) -> dict:
         run_dir = Path(typed.run_dir)
     from detrl.trainer import train  # heavy imports after validation
 
+    if not typed.run_dir:  # torchrun: every rank uses rank 0's dir (Hydra names one per process start second)
+        from detrl import distributed
+
+        if distributed.requested_world_size() > 1 and (ours := run_dir) != (run_dir := distributed.same_run_dir(run_dir)):
+            _remove_if_fresh(ours)
+
     group = wandb_group(hc.mode == RunMode.MULTIRUN, hc.sweep.dir, typed.experiment)
     from detrl.rollout.sglang import ServerError
 
