@@ -55,6 +55,9 @@ def main_task(cfg: DictConfig) -> dict:
 
     try:
         summary = train(typed, run_dir, group=group)
+        from detrl import distributed
+
+        distributed.close()  # torchrun: leave the process group
     except ConfigError as e:  # e.g. a refused resume: one line, and what was logged stays as it was
         print(f"detrl: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)

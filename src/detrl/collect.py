@@ -7,6 +7,7 @@ on, completion order when off) and apply DAPO's dynamic sampling and overlong sh
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -96,6 +97,9 @@ class GroupSource:
             )
 
 
+_RANK_ENGINES = itertools.count()  # every rank makes its engines in the same order
+
+
 class RankEngine:
     """Under torchrun: this rank's own engine behind the engine interface, sharing each `generate` with the
     other ranks. Its prompt groups are split across ranks (on: `det.rank_split`, a fixed rule in submission
@@ -109,7 +113,7 @@ class RankEngine:
 
         self.engine, self.det, self.dist = engine, det, distributed
         self.world, self.rank = distributed.world_size(), distributed.rank()
-        self._call = 0
+        self._prefix, self._call = f"detrl/rollout/{next(_RANK_ENGINES)}", 0  # store keys: unique per engine, call
         if self.rank:  # off: each rank's engine its own stream (unseeded requests), as separate replicas
             engine.generator.manual_seed(det.seed + self.rank)
 
@@ -141,7 +145,7 @@ class RankEngine:
                 self._run(requests, mine, done)
         else:
             size = max(1, -(-len(groups) // (2 * self.world)))  # about two claims per rank
-            counter = f"detrl/rollout/{self._call}"
+            counter = f"{self._prefix}/{self._call}"
             while (c := self.dist.store().add(counter, 1) - 1) * size < len(groups):  # claim, generate, repeat
                 self._run(requests, [i for g in groups[c * size : (c + 1) * size] for i in g], done)
         gathered = sorted(x for part in self.dist.all_gather_object(done) for x in part)

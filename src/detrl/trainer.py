@@ -311,8 +311,9 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     if payload is not None:  # exact resume: weights, optimizer, RNGs, data position, buffer, curve
         state = checkpoint.restore(payload, model, opt, ref_model, engine.generator)
         engine.update_weights(distributed.full_state_dict(model))
-        checkpoint.truncate_metrics(run_dir, state.step)
-        print(f"resuming from {ckpt} (step {state.step})")
+        if distributed.is_main():
+            checkpoint.truncate_metrics(run_dir, state.step)
+            print(f"resuming from {ckpt} (step {state.step})")
     tracker = Tracker(run_dir, cfg.logger, run_name(cfg), group, config, tags=tags, job_type=cell_name(cfg),
                       run_id=state.wandb_id, resume_step=state.step if payload is not None else None)
     data_pos, curve, exit_code = state.data_pos, state.curve, 1
