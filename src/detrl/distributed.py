@@ -28,7 +28,17 @@ import torch
 import torch.distributed as dist
 
 
+def _from_slurm() -> None:
+    """A SLURM task started without torchrun (e.g. Hydra's submitit launcher with tasks_per_node > 1): torchrun's
+    variables from SLURM's (submitit's helper: rank = SLURM_PROCID, master = the job's first host)."""
+    if "WORLD_SIZE" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        from submitit.helpers import TorchDistributedEnvironment
+
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
 def requested_world_size() -> int:
+    _from_slurm()
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -51,7 +61,7 @@ def backend() -> str:
 
 def init() -> int:
     """Join torchrun's process group when WORLD_SIZE > 1 (idempotent) -> the world size."""
-    if dist.is_initialized() or requested_world_size() <= 1:
+    if dist.is_initialized() or requested_world_size() <= 1:  # (SLURM tasks: torchrun's env from SLURM's)
         return world_size()
     if torch.cuda.is_available():  # one GPU per local rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
