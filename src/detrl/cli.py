@@ -42,12 +42,12 @@ def main_task(cfg: DictConfig) -> dict:
     if typed.run_dir and Path(typed.run_dir).resolve() != run_dir.resolve():
         _remove_if_fresh(run_dir)  # Hydra's own dir is not used
         run_dir = Path(typed.run_dir)
+    from detrl import distributed
     from detrl.trainer import train  # heavy imports after validation
 
-    if not typed.run_dir:  # torchrun: every rank uses rank 0's dir (Hydra names one per process start second)
-        from detrl import distributed
-
-        if distributed.requested_world_size() > 1 and (ours := run_dir) != (run_dir := distributed.same_run_dir(run_dir)):
+    if not typed.run_dir and distributed.requested_world_size() > 1:  # torchrun: every rank uses rank 0's dir
+        ours, run_dir = run_dir, distributed.same_run_dir(run_dir)  # (Hydra names one by each process's start)
+        if ours != run_dir:
             _remove_if_fresh(ours)
 
     group = wandb_group(hc.mode == RunMode.MULTIRUN, hc.sweep.dir, typed.experiment)
@@ -55,16 +55,15 @@ def main_task(cfg: DictConfig) -> dict:
 
     try:
         summary = train(typed, run_dir, group=group)
-        from detrl import distributed
-
-        distributed.close()  # torchrun: leave the process group
     except ConfigError as e:  # e.g. a refused resume: one line, and what was logged stays as it was
         print(f"detrl: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
     except ServerError as e:  # a rollout server died: named in one line; logged steps and checkpoints stay
         print(f"detrl: {str(e).splitlines()[0]} (run dir {run_dir})", file=sys.stderr)
         sys.exit(1)
-    if summary:
+    main = distributed.is_main()
+    distributed.close()  # torchrun: leave the process group
+    if summary and main:
         print(f"reward: first {summary['reward/first']:.3f} -> last {summary['reward/last']:.3f} "
               f"over {summary['steps']} steps; run dir {run_dir}")
     return summary
