@@ -166,18 +166,29 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def unshard(*models) -> None:
+    """FSDP2 modules: the full parameters all-gathered and registered on the modules (plain modules: nothing).
+    Collective: every rank calls it the same number of times."""
+    for m in models:
+        if m is not None and is_sharded(m):
+            m.unshard()
+
+
+def reshard(*models) -> None:
+    """FSDP2 modules: back to the shards (the full parameters freed)."""
+    for m in models:
+        if m is not None and is_sharded(m):
+            m.reshard()
+
+
 @contextlib.contextmanager
 def unsharded(*models):
-    """The full parameters registered on the modules for the block (all-gather), sharded again after.
-    Collective: every rank enters it the same number of times."""
-    fsdp = [m for m in models if m is not None and is_sharded(m)]
-    for m in fsdp:
-        m.unshard()
+    """`unshard` for the block, `reshard` after."""
+    unshard(*models)
     try:
         yield
     finally:
-        for m in fsdp:
-            m.reshard()
+        reshard(*models)
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
@@ -253,13 +264,13 @@ class DataParallel:
         """ordered: set this micro-batch's gradient apart (the next backward starts from none)."""
         if self.world == 1 or not self.ordered:
             return
-        params = list(model.parameters())  # the unsharded ones, inside `unsharded(model)`
+        params = list(model.parameters())  # the unsharded ones (between `unshard` and `reshard`)
         self._stash.append((key, _flat_grads(params)))
         for p in params:
             p.grad = None
 
     def reduce(self, model, max_norm: float) -> float:
-        """Inside `unsharded(model)` after the mini-batch's backwards: the sharded gradients, clipped -> norm."""
+        """After the mini-batch's backwards, the model still unsharded: the sharded gradients, clipped -> norm."""
         if self.world == 1:
             return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         live = list(model.parameters())

@@ -124,31 +124,32 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
             sums = dict.fromkeys(["pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"], 0.0)
             records = []  # per micro-batch (key, metrics), summed in global micro-batch order below
             opt.zero_grad(set_to_none=True)
-            with distributed.unsharded(model):
-                for key, sl in dp.micro_batches(start, stop, mb):
-                    mask = train_mask[sl]
-                    if not mask.any():
-                        continue
-                    logp, ent_g = sequence_logprobs(model, batch.input_ids[sl], mask, ops, ctx_len, rope, temp,
-                                                    entropy=bool(a.entropy_coeff))
-                    tok_adv = adv[sl, None].expand_as(logp)  # [n, L-1]
-                    pg, m = compute_policy_loss(logp, old[sl], tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high,
-                                                a.clip_ratio_c)
-                    pg = pg * corr_w[sl]  # MIS's dropped tokens weigh 0 and still count in the denominators (IcePop)
-                    loss = agg_loss(pg, mask, **agg)
-                    rec = {"pg_loss": loss.item() / dp.loss_scale}
-                    if ref_logp is not None:
-                        kl = agg_loss(kl_penalty(logp, ref_logp[sl], a.kl_loss_type), mask, **agg)
-                        loss = loss + a.kl_loss_coef * kl
-                        rec["kl_loss"] = kl.item() / dp.loss_scale
-                    if a.entropy_coeff:
-                        loss = loss - a.entropy_coeff * agg_loss(ent_g, mask, **agg)
-                    loss.backward()
-                    dp.after_backward(model, key)
-                    share = (mask.sum() / tokens).item()
-                    records.append((key, {**rec, **{k: m[k].item() * share
-                                                    for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}}))
-                grad_norm = dp.reduce(model, cfg.grad_clip)
+            distributed.unshard(model)  # FSDP2: the full weights for the functional forward (else a no-op)
+            for key, sl in dp.micro_batches(start, stop, mb):
+                mask = train_mask[sl]
+                if not mask.any():
+                    continue
+                logp, ent_g = sequence_logprobs(model, batch.input_ids[sl], mask, ops, ctx_len, rope, temp,
+                                                entropy=bool(a.entropy_coeff))
+                tok_adv = adv[sl, None].expand_as(logp)  # [n, L-1]
+                pg, m = compute_policy_loss(logp, old[sl], tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high,
+                                            a.clip_ratio_c)
+                pg = pg * corr_w[sl]  # MIS's dropped tokens weigh 0 and still count in the denominators (IcePop)
+                loss = agg_loss(pg, mask, **agg)
+                rec = {"pg_loss": loss.item() / dp.loss_scale}
+                if ref_logp is not None:
+                    kl = agg_loss(kl_penalty(logp, ref_logp[sl], a.kl_loss_type), mask, **agg)
+                    loss = loss + a.kl_loss_coef * kl
+                    rec["kl_loss"] = kl.item() / dp.loss_scale
+                if a.entropy_coeff:
+                    loss = loss - a.entropy_coeff * agg_loss(ent_g, mask, **agg)
+                loss.backward()
+                dp.after_backward(model, key)
+                share = (mask.sum() / tokens).item()
+                records.append((key, {**rec, **{k: m[k].item() * share
+                                                for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}}))
+            grad_norm = dp.reduce(model, cfg.grad_clip)  # this rank's gradient shards, clipped
+            distributed.reshard(model)
             for rec in dp.gather_records(records):
                 for k, v in rec.items():
                     sums[k] += v
