@@ -5,6 +5,11 @@ so a run killed mid-write leaves the previous checkpoint intact (a leftover `.tm
 It holds the policy, the optimizer, the reference model, every RNG state (python, numpy, torch, the
 engine's stream), the data position, the partial-rollout buffer, the step, the reward curve and
 the W&B run id, plus the resolved config that made it.
+
+Under torchrun (FSDP2 models) the tensors go through torch.distributed.checkpoint instead: `step-<N>/dcp/`
+holds the sharded policy, reference and optimizer (each rank writes its shards), `rng-<rank>.pt` each rank's
+RNG states, and `state.pt` (rank 0) the rest, written last, before rank 0 renames the dir into place. Such a
+checkpoint resumes on the same number of ranks (refused otherwise, in one line).
 """
 
 from __future__ import annotations
@@ -44,8 +49,59 @@ def latest(run_dir: Path) -> Path | None:
     return done[-1].parent if done else None
 
 
+def _rng(engine_generator: torch.Generator) -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "engine": engine_generator.get_state()}
+
+
+def _set_rng(rng: dict, engine_generator: torch.Generator) -> None:
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    engine_generator.set_state(rng["engine"])
+
+
+def _dcp_state(model, optimizer, ref_model) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    m, o = get_state_dict(model, optimizer)
+    return {"model": m, "optimizer": o, **({"ref_model": get_model_state_dict(ref_model)} if ref_model else {})}
+
+
+def _save_sharded(run_dir: Path, state: RunState, model, optimizer, ref_model, engine_generator, config: dict,
+                  keep_last: int) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    from detrl import distributed
+
+    root, main = checkpoint_root(run_dir), distributed.is_main()
+    tmp, final = root / f".tmp-step-{state.step:06d}", root / f"step-{state.step:06d}"
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    distributed.barrier()
+    dcp.save(_dcp_state(model, optimizer, ref_model), checkpoint_id=tmp / "dcp")
+    torch.save(_rng(engine_generator), tmp / f"rng-{distributed.rank()}.pt")
+    distributed.barrier()
+    if main:
+        torch.save({"run": vars(state), "config": config, "world_size": distributed.world_size(), "dcp": True},
+                   tmp / "state.pt")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)  # atomic: a reader sees no checkpoint or a whole one
+        for old in sorted(root.glob("step-*"))[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    distributed.barrier()
+    return final
+
+
 def save(run_dir: Path, state: RunState, model, optimizer, ref_model, engine_generator: torch.Generator,
          config: dict, keep_last: int = 2) -> Path:
+    from detrl import distributed
+
+    if distributed.is_sharded(model):
+        return _save_sharded(run_dir, state, model, optimizer, ref_model, engine_generator, config, keep_last)
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -112,7 +168,14 @@ def _diff(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
 
 
 def load(path: Path, config: dict, allow_config_change: bool) -> dict:
+    from detrl import distributed
+
     payload = torch.load(Path(path) / "state.pt", weights_only=False)
+    payload["path"] = Path(path)
+    saved, world = payload.get("world_size", 1), distributed.world_size()
+    if saved != world:
+        raise ConfigError(f"resume refused: {path} was written by {saved} rank(s), this run has {world}; "
+                          "resume on the same number of ranks")
     d = _diff(payload["config"], config)
     if d and not allow_config_change:
         raise ConfigError(
@@ -123,6 +186,19 @@ def load(path: Path, config: dict, allow_config_change: bool) -> dict:
 
 
 def restore(payload: dict, model, optimizer, ref_model, engine_generator: torch.Generator) -> RunState:
+    if payload.get("dcp"):  # sharded: each rank reads its shards and its own RNG states
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        from detrl import distributed
+
+        sd = _dcp_state(model, optimizer, ref_model)
+        dcp.load(sd, checkpoint_id=payload["path"] / "dcp")
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+        if ref_model is not None:
+            set_model_state_dict(ref_model, sd["ref_model"])
+        _set_rng(torch.load(payload["path"] / f"rng-{distributed.rank()}.pt", weights_only=False), engine_generator)
+        return RunState(**payload["run"])
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
     if ref_model is not None and payload["ref_model"] is not None:

@@ -42,7 +42,13 @@ def main_task(cfg: DictConfig) -> dict:
     if typed.run_dir and Path(typed.run_dir).resolve() != run_dir.resolve():
         _remove_if_fresh(run_dir)  # Hydra's own dir is not used
         run_dir = Path(typed.run_dir)
+    from detrl import distributed
     from detrl.trainer import train  # heavy imports after validation
+
+    if not typed.run_dir and distributed.requested_world_size() > 1:  # torchrun: every rank uses rank 0's dir
+        ours, run_dir = run_dir, distributed.same_run_dir(run_dir)  # (Hydra names one by each process's start)
+        if ours != run_dir:
+            _remove_if_fresh(ours)
 
     group = wandb_group(hc.mode == RunMode.MULTIRUN, hc.sweep.dir, typed.experiment)
     from detrl.rollout.sglang import ServerError
@@ -55,7 +61,9 @@ def main_task(cfg: DictConfig) -> dict:
     except ServerError as e:  # a rollout server died: named in one line; logged steps and checkpoints stay
         print(f"detrl: {str(e).splitlines()[0]} (run dir {run_dir})", file=sys.stderr)
         sys.exit(1)
-    if summary:
+    main = distributed.is_main()
+    distributed.close()  # torchrun: leave the process group
+    if summary and main:
         print(f"reward: first {summary['reward/first']:.3f} -> last {summary['reward/last']:.3f} "
               f"over {summary['steps']} steps; run dir {run_dir}")
     return summary

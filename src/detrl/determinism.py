@@ -13,6 +13,9 @@
 |                     | id, default gemms                          | so a token's result ignores its expert-mates |
 | torch               | defaults                                   | deterministic algorithms (no NaN-fill of     |
 |                     |                                            | torch.empty), CUBLAS workspace, TF32 off     |
+| ranks (torchrun)    | prompt groups from a shared queue; each    | groups in contiguous blocks by submission    |
+|                     | rank a contiguous 1/W of a mini-batch,     | order; virtual micro-batches k -> rank k % W,|
+|                     | gradients all-reduced and averaged         | gradients summed in micro-batch order        |
 Both modes seed python, numpy and torch from the run seed: `off` releases pins, it never adds noise.
 """
 
@@ -74,6 +77,15 @@ class Determinism:
     def fixed_routing(self) -> bool:
         """on: full batches in submission order, batch j -> worker j mod W; off: first free worker."""
         return self.enabled
+
+    def rank_split(self, groups: int, world: int) -> list[int] | None:
+        """Which rank generates each of `groups` prompt groups (submission order) under torchrun. on: a fixed
+        rule, contiguous near-equal blocks in submission order (group i -> rank i * W // G), so a group's
+        rank depends on nothing that runs; with per-sample seeds and batch-invariant ops its bits do not
+        depend on the rank at all. off: None, by availability (ranks claim chunks from a shared queue)."""
+        if not self.enabled:
+            return None
+        return [i * world // groups for i in range(groups)]
 
     def order(self, results: list[Result], requests: list[Request]) -> list[Result]:
         """on: submission order (data position, then sample index); off: as the engine returned them."""

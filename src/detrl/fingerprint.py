@@ -52,10 +52,12 @@ def floats_digest(rows: Iterable[Iterable[float]]) -> str:
     return digest(np.asarray(list(r), dtype=np.float32).tobytes() for r in rows)
 
 
-def params_digest(model: torch.nn.Module) -> str:
+def params_digest(model: torch.nn.Module | dict[str, torch.Tensor]) -> str:
+    """Over a module's state dict, or a state dict (e.g. the full one gathered from FSDP2 shards)."""
+    state = model if isinstance(model, dict) else model.state_dict()
     return digest(
         name.encode() + (_device_bytes(p) if p.is_cuda else p.detach().contiguous().view(torch.uint8).numpy().tobytes())
-        for name, p in sorted(model.state_dict().items())
+        for name, p in sorted(state.items())
     )
 
 

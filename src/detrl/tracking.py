@@ -1,4 +1,4 @@
-"""Per-step metrics to W&B (offline by default) and to <run_dir>/metrics.jsonl, with the same keys."""
+"""Per-step metrics to W&B (offline by default) and to <run_dir>/metrics.jsonl, with the same keys (rank 0 only)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ class Tracker:
     def __init__(self, run_dir: Path, cfg: LoggerConfig, run_name: str, group: str, config: dict[str, Any],
                  tags: list[str] | None = None, job_type: str | None = None, run_id: str | None = None,
                  resume_step: int | None = None):
+        from detrl.distributed import is_main
+
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.wandb_run, self._file = None, None
+        if not is_main():  # under torchrun only rank 0 logs (every rank has the same, gathered, metrics)
+            return
         self._file = self.path.open("a", buffering=1)
-        self.wandb_run = None
         if cfg.backend == "wandb":
             import wandb
 
@@ -35,6 +39,8 @@ class Tracker:
             self.wandb_run.save(str(Path(run_dir) / "drift.jsonl"), base_path=str(run_dir), policy="end")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._file is None:
+            return
         record = {"step": step, **metrics}
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         if self.wandb_run is not None:
@@ -45,7 +51,8 @@ class Tracker:
             self.wandb_run.summary.update(values)
 
     def finish(self, exit_code: int = 0) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish(exit_code=exit_code)
             self.wandb_run = None

@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from detrl import checkpoint
+from detrl import checkpoint, distributed
 from detrl import determinism as det_mod
 from detrl.algos import (
     ADV_ESTIMATORS,
@@ -31,7 +31,7 @@ from detrl.algos import (
 )
 from detrl.algos.core import masked_mean
 from detrl.algos.rollout_correction import rollout_correction
-from detrl.collect import GroupSource, StepBatch, collect, collect_partial
+from detrl.collect import GroupSource, RankEngine, StepBatch, collect, collect_partial
 from detrl.config import ConfigError, TrainConfig
 from detrl.data import build_task, stop_token_ids, tokenizer_for
 from detrl.device import resolve_device, resolve_dtype, to_device
@@ -72,7 +72,7 @@ def load_policy(cfg: TrainConfig, tokenizer, task, ctx_len: int) -> torch.nn.Mod
 
 
 def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: TrainConfig, ops, ctx_len, rope,
-           version: int):
+           version: int, dp: distributed.DataParallel | None = None):
     """PPO-style update of one rollout batch, as verl's actor (compute_log_prob, then update_policy). -> metrics.
 
     1. Old logprobs: one no-grad pass of the policy before any update (verl's old_log_prob), with the
@@ -85,22 +85,26 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
     sampled (the same weights in two engines: 0 is true on-policy); pg_clipfrac / ppo_kl are token means
     over each mini-batch, averaged over the step's mini-batches (ppo_kl is 0 on the first one unless old
     and current differ, e.g. keep-mode stale tokens).
+    Under torchrun, `dp` (`detrl.distributed.DataParallel`) says which micro-batches this rank runs, gathers
+    their rows / metrics and reduces the gradients; without it, every micro-batch runs here.
     """
     a, temp, mb = cfg.algo, cfg.rollout.temperature, cfg.micro_batch_size
+    dp = dp or distributed.DataParallel(model, ordered=True)
     n = batch.input_ids.shape[0]
     fresh = (batch.versions == version).float() * batch.mask  # tokens sampled by the current weights
     # --- 1. old (and reference) logprobs, before the first update
     old_trainer, ref_logp = torch.zeros_like(batch.mask), None
     ent = torch.zeros_like(batch.mask)
-    with torch.no_grad():
+    mine = [sl for _, sl in dp.micro_batches(0, n, mb)]
+    with torch.no_grad(), distributed.unsharded(model, ref_model):
         if ref_model is not None:
             ref_logp = torch.zeros_like(batch.mask)
-        for lo in range(0, n, mb):
-            sl = slice(lo, lo + mb)
+        for sl in mine:
             ids, mask = batch.input_ids[sl], batch.mask[sl]
             old_trainer[sl], ent[sl] = sequence_logprobs(model, ids, mask, ops, ctx_len, rope, temp, entropy=True)
             if ref_model is not None:
                 ref_logp[sl], _ = sequence_logprobs(ref_model, ids, mask, ops, ctx_len, rope, temp)
+    old_trainer, ent, ref_logp = dp.gather_rows([old_trainer, ent, ref_logp], mine)
     old, train_mask = old_logprobs(cfg.rollout.partial.stale_tokens, old_trainer, batch.rollout_logp, fresh,
                                    batch.mask)
     # trainer/rollout mismatch correction (TIS / MIS), weights on the policy loss; ones under determinism=on
@@ -115,12 +119,14 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
         for start in range(0, n, per_mini):
             stop = min(start + per_mini, n)
             tokens = train_mask[start:stop].sum()
+            # global denominators (every rank holds the whole batch); dp_size as verl's agg_loss
             agg = dict(mode=a.loss_agg_mode, batch_num_tokens=tokens, global_batch_size=stop - start,
-                       loss_scale_factor=lsf)
+                       loss_scale_factor=lsf, dp_size=dp.loss_scale)
             sums = dict.fromkeys(["pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"], 0.0)
+            records = []  # per micro-batch (key, metrics), summed in global micro-batch order below
             opt.zero_grad(set_to_none=True)
-            for lo in range(start, stop, mb):
-                sl = slice(lo, min(lo + mb, stop))
+            distributed.unshard(model)  # FSDP2: the full weights for the functional forward (else a no-op)
+            for key, sl in dp.micro_batches(start, stop, mb):
                 mask = train_mask[sl]
                 if not mask.any():
                     continue
@@ -131,18 +137,23 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
                                             a.clip_ratio_c)
                 pg = pg * corr_w[sl]  # MIS's dropped tokens weigh 0 and still count in the denominators (IcePop)
                 loss = agg_loss(pg, mask, **agg)
-                sums["pg_loss"] += loss.item()
+                rec = {"pg_loss": loss.item() / dp.loss_scale}
                 if ref_logp is not None:
                     kl = agg_loss(kl_penalty(logp, ref_logp[sl], a.kl_loss_type), mask, **agg)
                     loss = loss + a.kl_loss_coef * kl
-                    sums["kl_loss"] += kl.item()
+                    rec["kl_loss"] = kl.item() / dp.loss_scale
                 if a.entropy_coeff:
                     loss = loss - a.entropy_coeff * agg_loss(ent_g, mask, **agg)
                 loss.backward()
+                dp.after_backward(model, key)
                 share = (mask.sum() / tokens).item()
-                for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                    sums[k] += m[k].item() * share
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                records.append((key, {**rec, **{k: m[k].item() * share
+                                                for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}}))
+            grad_norm = dp.reduce(model, cfg.grad_clip)  # this rank's gradient shards, clipped
+            distributed.reshard(model)
+            for rec in dp.gather_records(records):
+                for k, v in rec.items():
+                    sums[k] += v
             opt.step()
             for k, v in sums.items():
                 per_step[k].append(v)
@@ -272,20 +283,28 @@ def make_engine(cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingPa
 def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, float]:
     run_dir = Path(run_dir)
     config = dataclasses.asdict(cfg)
+    world = distributed.init()  # torchrun: join the process group (WORLD_SIZE > 1); else one process, as ever
+    distributed.check_supported(cfg)
     # --- a resume is checked before anything is written
     ckpt = checkpoint.resolve(cfg.resume, run_dir)
     payload = checkpoint.load(ckpt, config, cfg.checkpoint.allow_config_change) if ckpt else None
-    checkpoint.claim_run_dir(run_dir, cfg.resume, ckpt)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "summary.json").unlink(missing_ok=True)  # this run is not complete until it says so again
-    OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
-    # --- seed and build
-    det, tokenizer, task, ctx_len, model, sampling = build(cfg)
+    if distributed.is_main():  # run files are rank 0's
+        checkpoint.claim_run_dir(run_dir, cfg.resume, ckpt)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").unlink(missing_ok=True)  # this run is not complete until it says so again
+        OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
+    # --- seed and build (rank 0 first: it builds and caches the warm start the others then load)
+    with distributed.main_first():
+        det, tokenizer, task, ctx_len, model, sampling = build(cfg)
     r = cfg.rollout
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.use_kl_loss else None
     model.train()
     rope = rope_tables(model.config, ctx_len, det.device, det.dtype)
     engine = make_engine(cfg, model, det, ctx_len, sampling, tokenizer, run_dir)
+    if world > 1:  # FSDP2 over the trainer's models; this rank's engine serves its share of each generate
+        distributed.shard(model, ref_model)
+        engine = RankEngine(engine, det)
+    dp = distributed.DataParallel(model, ordered=det.enabled)
     # fused: one kernel for all parameters (0.22 vs 1.09 ms per step on the default model)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(o.betas),
@@ -298,15 +317,16 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     state = checkpoint.RunState(wandb_id=uuid.uuid4().hex[:8], buffer=PartialBuffer())
     if payload is not None:  # exact resume: weights, optimizer, RNGs, data position, buffer, curve
         state = checkpoint.restore(payload, model, opt, ref_model, engine.generator)
-        engine.update_weights(model.state_dict())
-        checkpoint.truncate_metrics(run_dir, state.step)
-        print(f"resuming from {ckpt} (step {state.step})")
+        engine.update_weights(distributed.full_state_dict(model))
+        if distributed.is_main():
+            checkpoint.truncate_metrics(run_dir, state.step)
+            print(f"resuming from {ckpt} (step {state.step})")
     tracker = Tracker(run_dir, cfg.logger, run_name(cfg), group, config, tags=tags, job_type=cell_name(cfg),
                       run_id=state.wandb_id, resume_step=state.step if payload is not None else None)
     data_pos, curve, exit_code = state.data_pos, state.curve, 1
     try:
         bar = tqdm(range(state.step + 1, cfg.steps + 1), desc=run_name(cfg), unit="step", dynamic_ncols=True,
-                   initial=state.step, total=cfg.steps)
+                   initial=state.step, total=cfg.steps, disable=not distributed.is_main())
         for step in bar:
             t0 = time.perf_counter()
             # --- rollout -> reward -> advantage
@@ -323,14 +343,17 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * lr_ratio(step - 1, cfg.steps, warmup, o.lr_scheduler_type, o.min_lr_ratio,
                                             o.num_cycles)
-            metrics = update(model, ref_model, opt, batch, adv, cfg, det.ops, ctx_len, rope, version=step - 1)
-            engine.update_weights(model.state_dict())
+            metrics = update(model, ref_model, opt, batch, adv, cfg, det.ops, ctx_len, rope, version=step - 1, dp=dp)
+            weights = distributed.full_state_dict(model)  # gathered under FSDP2: every rank's engine gets all
+            engine.update_weights(weights)
             # --- log
             metrics.update(rollout_metrics(batch, adv))
             metrics.update(batch.stats)
-            metrics["fp/params"] = params_digest(model)
-            metrics.update(layer_fingerprints(model, cfg, step))
-            metrics.update(drift_step(run_dir, step, model, batch.results))  # drift.jsonl: sketches, for distances
+            metrics["fp/params"] = params_digest(weights)
+            with distributed.unsharded(model):  # full parameters on every rank (FSDP2); plain models: no-op
+                if distributed.is_main():  # drift.jsonl: sketches, for distances between runs
+                    metrics.update(drift_step(run_dir, step, model, batch.results))
+            metrics.update(layer_fingerprints(model, cfg, step))  # the modules' own forward (FSDP2 gathers)
             metrics["timing_s/rollout"] = t_rollout
             metrics["timing_s/step"] = time.perf_counter() - t0
             metrics["perf/throughput"] = float(batch.mask.sum()) / metrics["timing_s/step"]
@@ -344,9 +367,10 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
                 checkpoint.save(run_dir, state, model, opt, ref_model, engine.generator, config,
                                 cfg.checkpoint.keep_last)
         if cfg.checkpoint.save_final:
-            final = run_dir / "checkpoint-final"
-            model.save_pretrained(final)
-            tokenizer.save_pretrained(final)
+            final, weights = run_dir / "checkpoint-final", distributed.full_state_dict(model)
+            if distributed.is_main():
+                model.save_pretrained(final, **({"state_dict": weights} if world > 1 else {}))
+                tokenizer.save_pretrained(final)
         exit_code = 0
     finally:
         engine.close()
@@ -354,8 +378,10 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
         tracker.summary(summary)
         tracker.finish(exit_code)
     # written last: its presence marks a complete run for the sweep analysis
-    (run_dir / "summary.json").write_text(json.dumps({"status": "complete", "run": run_name(cfg),
-                                                      "cell": cell_name(cfg), **summary}, indent=1))
+    if distributed.is_main():
+        (run_dir / "summary.json").write_text(json.dumps({"status": "complete", "run": run_name(cfg),
+                                                          "cell": cell_name(cfg), **summary}, indent=1))
+    distributed.barrier()
     return summary
 
 

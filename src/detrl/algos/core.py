@@ -79,7 +79,8 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, batch_num_tokens
     token-mean: Σ loss·mask / batch_num_tokens; seq-mean-token-mean: Σ over sequences of per-sequence
     means (Σ loss·mask / (tokens + 1e-8)) / global_batch_size; seq-mean-token-sum: Σ of per-sequence sums /
     global_batch_size; seq-mean-token-sum-norm: Σ loss·mask / loss_scale_factor (a constant, default T:
-    no division by the number of sequences). token-mean and the seq-means multiply by dp_size (1 here).
+    no division by the number of sequences). All modes multiply by dp_size (the data-parallel ranks whose
+    gradients are averaged: 1 on one process; under torchrun with determinism=off, detrl.distributed).
     The denominators default to this batch's (valid tokens, sequences with a response token); under
     gradient accumulation pass the optimizer step's (mini-batch) ones so the micro-batches sum to the
     mini-batch's loss. Sequences with no response token add nothing. One deviation: a batch with no
@@ -98,7 +99,7 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, batch_num_tokens
         return (seq_losses * seq_mask).sum() / _nonzero(n_seq) * dp_size
     if mode == "seq-mean-token-sum-norm":
         factor = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        return (loss * mask).sum(-1).sum() / factor
+        return (loss * mask).sum(-1).sum() / factor * dp_size  # dp_size: averaged gradients sum the ranks'
     raise ValueError(
         f"loss_agg_mode={mode!r} is not valid; choose one of "
         "['token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm']"

@@ -1,0 +1,174 @@
+"""torchrun (gloo, CPU): FSDP2 gradients equal one process's; determinism=on runs are bitwise run to run, the same
+bits on 1 and 2 ranks (dense and MoE), and resume exactly from a 2-rank (DCP) checkpoint.
+
+Two torchrun launches (imports dominate: ~10 s per launch on 2 cores): `train.py` itself, and this file as a
+worker (`python -m torch.distributed.run ... tests/test_distributed.py worker DIR`) that in one process group
+checks gradients, repeats the first run, resumes it from its step-1 checkpoint, trains the MoE, and runs `off`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FP = ("fp/params", "fp/rollout_tokens", "fp/rollout_logprobs", "fp/batch_order")
+# (model, determinism, loss_agg_mode) of the gradient check; seq-mean-token-sum-norm has no sequence count in
+# its denominator, so it is the one that needs dp_size to survive averaging
+GRAD_CASES = [("qwen3", "on", "token-mean"), ("qwen3", "off", "seq-mean-token-sum-norm"),
+              ("qwen3_moe", "on", "seq-mean-token-mean"), ("qwen3_moe", "off", "token-mean")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args: str, nproc: int = 2) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args]
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-5000:]
+
+
+def _train_args(run_dir: Path, *extra: str) -> list[str]:
+    from tests.conftest import TINY
+
+    # micro_batch_size=8: 4 micro-batches per mini-batch (32 sequences), so both ranks train
+    tiny = [o for o in TINY if not o.startswith("steps=")]
+    return [*tiny, "steps=2", "rollout.num_workers=1", "micro_batch_size=8", f"run_dir={run_dir}", *extra]
+
+
+def _fps(run_dir: Path) -> list[list[str]]:
+    from tests.conftest import read_metrics
+
+    return [[r["step"], *(r[k] for k in FP)] for r in read_metrics(run_dir)]
+
+
+def _one_process(run_dir: Path, *extra: str) -> None:
+    from detrl.trainer import train
+    from tests.conftest import make_cfg
+
+    train(make_cfg(*[o for o in _train_args(run_dir, *extra) if not o.startswith("run_dir=")]), run_dir)
+
+
+def _grads(model_name: str, det: str, mode: str, dp=None) -> list[torch.Tensor]:
+    """update() on test_update's batch (2 groups of 4, micro_batch_size 2: 4 micro-batches) -> the gradient."""
+    from detrl.config import ModelConfig
+    from detrl.models import build_model
+    from detrl.models.forward import rope_tables
+    from detrl.trainer import update
+    from tests.test_update import OPS, L, _batch, _cfg, _Recorder
+
+    class Full(_Recorder):  # records the whole gradient (gathered from the FSDP2 shards)
+        def step(self):
+            self.grads.append([getattr(p.grad, "full_tensor", p.grad.clone)() for p in self.params])
+
+    model = build_model(ModelConfig(name=model_name), seed=0)
+    ref = build_model(ModelConfig(name=model_name), seed=1).requires_grad_(False)
+    if dp is not None:
+        from detrl import distributed
+
+        distributed.shard(model, ref)
+        dp = distributed.DataParallel(model, ordered=det == "on")
+    cfg = _cfg("micro_batch_size=2", f"algo.loss_agg_mode={mode}", "algo.kl_loss_coef=0.1")
+    batch, adv = _batch()
+    opt = Full(model.parameters())
+    update(model, ref, opt, batch, adv, cfg, OPS[det], L, rope_tables(model.config, L), version=0, dp=dp)
+    return opt.grads[0]
+
+
+def _worker(out: Path) -> None:
+    """Under torchrun: the gradient cases, then three training runs in one process group."""
+    from detrl import distributed
+    from detrl.trainer import train
+    from tests.conftest import make_cfg
+
+    distributed.init()
+    torch.use_deterministic_algorithms(True)
+    got = {case: _grads(*case, dp=True) for case in GRAD_CASES}
+    if distributed.is_main():
+        torch.save(got, out / "grads.pt")
+        # the resume run starts from a copy of run A holding only A's step-1 checkpoint
+        shutil.copytree(out / "a", out / "resumed")
+        shutil.rmtree(out / "resumed" / "checkpoints" / "step-000002")
+        (out / "resumed" / "summary.json").unlink()
+    distributed.barrier()
+
+    def run(name: str, *extra: str) -> None:
+        args = [o for o in _train_args(out / name, *extra) if not o.startswith("run_dir=")]
+        train(make_cfg(*args), out / name)
+
+    run("b", "checkpoint.every=1")
+    run("resumed", "checkpoint.every=1", "resume=auto")
+    run("moe", "model=qwen3_moe")
+    run("off", "determinism=off")  # groups claimed from the store's shared counter, gradients averaged
+    distributed.close()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    _torchrun("train.py", *_train_args(out / "a", "checkpoint.every=1"))
+    _torchrun(__file__, "worker", str(out))
+    _one_process(out / "one", "checkpoint.every=1")
+    _one_process(out / "one-moe", "model=qwen3_moe")
+    return out
+
+
+def test_fsdp2_gradients_equal_one_process(runs):
+    """The functional forward under explicit unshard sends gradients to the sharded parameters: on, bitwise
+    (micro-batch gradients summed in one process's order); off (contiguous shares, loss x dp_size, averaged
+    all-reduce), to float tolerance; the denominators are global."""
+    got = torch.load(runs / "grads.pt")
+    torch.use_deterministic_algorithms(True)
+    try:
+        for case, grads in got.items():
+            want = _grads(*case)
+            assert any(w.abs().sum() > 0 for w in want)
+            for g, w in zip(grads, want, strict=True):
+                if case[1] == "on":
+                    assert torch.equal(g, w), case
+                else:  # another summation order (per-rank accumulation, then the all-reduce): rounding only
+                    torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6 * float(w.abs().max()))
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_two_ranks_run_to_run_bitwise(runs):
+    assert len(_fps(runs / "a")) == 2
+    assert _fps(runs / "a") == _fps(runs / "b")  # every step, every fingerprint
+    assert (runs / "a" / "checkpoints" / "step-000001" / "dcp").is_dir()
+
+
+def test_one_and_two_ranks_give_the_same_bits(runs):
+    """Same config, same micro_batch_size (4 micro-batches of 8 per mini-batch, 2 per rank): see
+    detrl.distributed.DataParallel for why nothing depends on the number of ranks."""
+    assert _fps(runs / "a") == _fps(runs / "one")
+    assert _fps(runs / "moe") == _fps(runs / "one-moe")
+
+
+def test_two_rank_checkpoint_resumes_exactly(runs):
+    assert _fps(runs / "resumed") == _fps(runs / "a")
+
+
+def test_off_trains_on_two_ranks(runs):
+    from tests.conftest import read_metrics
+
+    rows = read_metrics(runs / "off")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["response_length/mean"] > 0 for r in rows)
+    assert rows[-1]["fp/params"] != _fps(runs / "a")[-1][1]  # it trained (its own trajectory)
+
+
+if __name__ == "__main__" and sys.argv[1] == "worker":
+    _worker(Path(sys.argv[2]))
