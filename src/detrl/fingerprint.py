@@ -124,8 +124,10 @@ class _Projection:
         """-> (the sketch [k], the exact L2 norm), one parameter at a time into a reused float64 buffer."""
         o = 0
         for t in tensors:
-            a = t.detach().cpu().numpy().reshape(-1)  # a host copy on GPUs (see README: not yet on device)
-            self.buf[o : o + a.size] = a  # float32 -> float64: exact
+            # a float64 copy (numpy() of the parameter itself would pin its storage, which FSDP2 frees and
+            # re-allocates); a host copy on GPUs
+            a = t.detach().reshape(-1).to(device="cpu", dtype=torch.float64).numpy()
+            self.buf[o : o + a.size] = a  # float32 -> float64 is exact
             o += a.size
         folded = np.einsum("ij,ij->j", self.buf.reshape(-1, self.fold), self.signs)
         norm = math.sqrt(float(np.einsum("i,i->", self.buf, self.buf)))
