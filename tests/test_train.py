@@ -162,10 +162,11 @@ def test_partial_rollout_off_runs_with_the_async_cut(tmp_path, cut):
     rows = run_tiny(tmp_path, "rollout.partial.enabled=true", "determinism=off", "rollout.max_batch_size=4",
                     "rollout.partial.oversample=3", f"rollout.partial.off_cut={cut}",
                     "rollout.partial.time_budget_s=0.001")
-    # the cut really is async: samples are aborted where they are and carried into the next step (24 groups
-    # in flight for 8: the first 8 to finish end the call long before the other 64 requests can)
-    assert any(r["response/aborted_ratio"] > 0 for r in rows)
-    assert any(r["partial/carried"] > 0 for r in rows[1:])
+    # the cut really is async: requests are aborted wherever they are (24 groups in flight for 8: the first 8
+    # to finish, or the 1 ms budget, end the call long before the other requests can finish); whether an
+    # aborted sample had sampled a token yet (and so counts as carried) depends on timing, so it is not asserted
+    assert all(r["response/aborted_ratio"] > 0 for r in rows)
+    assert all(r["dapo/kept_groups"] == 8 and r["partial/buffer_groups"] > 0 for r in rows)
 
 
 def test_max_staleness_restarts_old_partial_samples(tmp_path):

@@ -37,3 +37,18 @@ class Result:
     @property
     def uid(self) -> tuple[int, int]:
         return self.request.uid
+
+
+def cut_results(requests: list[Request], tokens: list[list[int]], logprobs: list[list[float]], limit: list[int],
+                room: list[int], stop_token_ids: tuple[int, ...]) -> list[Result]:
+    """An engine batch's sampled matrices [B, T] -> one Result per request: each row cut at its first stop token
+    ("stop"), else at its token limit for this call: "length" when that is all the room it had, else "abort"
+    (a budgeted partial-rollout call; it continues later)."""
+    stop_set = set(stop_token_ids)
+    out = []
+    for i, r in enumerate(requests):
+        row = tokens[i][: limit[i]]
+        n = next((j + 1 for j, x in enumerate(row) if x in stop_set), len(row))
+        reason = "stop" if n and row[n - 1] in stop_set else "length" if n >= room[i] else "abort"
+        out.append(Result(r, row[:n], logprobs[i][:n], reason))
+    return out

@@ -25,7 +25,7 @@ import torch
 from detrl.models.forward import KVCache, fuse, layer_post, layer_pre, log_probs, rope_tables
 from detrl.models.forward import forward as model_forward
 from detrl.models.ops import Ops, moe_dispatch
-from detrl.rollout.base import Request, Result, SamplingParams
+from detrl.rollout.base import Request, Result, SamplingParams, cut_results
 from detrl.rollout.embedded import _check_fits, _fixed_batches
 from detrl.rollout.sampling import gumbel, hashed_gumbel, sample, seed_key
 
@@ -190,14 +190,7 @@ class CudaEngine:
             if sampled % self.sync_every == 0 and sampled < steps and bool(s.done):
                 break
         tok_mat, lp_mat = s.tokens[:b, :sampled].tolist(), s.logps[:b, :sampled].tolist()  # one copy out
-        stop_set = set(p.stop_token_ids)
-        out = []
-        for i, r in enumerate(requests):
-            row = tok_mat[i][: limit[i]]
-            n = next((j + 1 for j, x in enumerate(row) if x in stop_set), len(row))
-            reason = "stop" if n and row[n - 1] in stop_set else "length" if n >= room[i] else "abort"
-            out.append(Result(r, row[:n], lp_mat[i][:n], reason))
-        return out
+        return cut_results(requests, tok_mat, lp_mat, limit, room, p.stop_token_ids)
 
     def _step_fn(self, s: _Slot, seeded: bool, p: SamplingParams):
         """One decode step on the slot's static buffers: sample from s.last, record, forward the token."""

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from detrl.models.forward import KVCache, Weights, forward, fuse, log_probs, rope_tables
 from detrl.models.ops import BATCH_INVARIANT_OPS, Ops
-from detrl.rollout.base import Request, Result, SamplingParams
+from detrl.rollout.base import Request, Result, SamplingParams, cut_results
 from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
 
 _NOISE_CHUNK = 16  # decode steps whose sampling noise is drawn at once ...
@@ -99,14 +99,7 @@ class Sampler:
             last = forward(self.weights, tok[:, None], self.ops, self.ctx_len, self.rope, cache=cache,
                            positions=(lens + t)[:, None])[:, 0]
         tok_mat, lp_mat = tokens[:, :sampled].tolist(), logps[:, :sampled].tolist()  # [B, T]: one copy out
-        stop_set = set(p.stop_token_ids)
-        out = []
-        for i, r in enumerate(requests):
-            row = tok_mat[i][: limit[i]]
-            n = next((j + 1 for j, x in enumerate(row) if x in stop_set), len(row))
-            reason = "stop" if n and row[n - 1] in stop_set else "length" if n >= room[i] else "abort"
-            out.append(Result(r, row[:n], lp_mat[i][:n], reason))
-        return out
+        return cut_results(requests, tok_mat, lp_mat, limit, room, p.stop_token_ids)
 
     def _noise(self, seeds: torch.Tensor | None, positions: torch.Tensor, steps: int) -> torch.Tensor:
         """Gumbel noise [B, steps, V] for the tokens at `positions` [B] onward. Seeded: a hash of (seed,
