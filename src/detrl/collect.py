@@ -208,6 +208,7 @@ def collect_partial(engine, source: GroupSource, buffer: PartialBuffer, step: in
     version = step - 1  # updates applied to the weights generating now
     restarted = buffer.restart_stale(version, pr.max_staleness)
     carried = buffer.carried()
+    budget = token_budget(pr.token_budget, cfg.rollout.max_new_tokens)
     in_flight = math.ceil(need * pr.oversample)
 
     def top_up() -> None:
@@ -223,7 +224,7 @@ def collect_partial(engine, source: GroupSource, buffer: PartialBuffer, step: in
         pending = buffer.pending()
         samples = {s.request.uid: s for s in pending}
         if det.enabled:  # deterministic cut: every pending sample advances by at most token_budget tokens
-            results = engine.generate([s.continuation(pr.token_budget) for s in pending])
+            results = engine.generate([s.continuation(budget) for s in pending])
         else:  # async cut: when enough groups finish, or at a wall-clock budget, wherever the others are
             if pr.off_cut == "time":
                 stop = _time_up(time.perf_counter() + pr.time_budget_s)
@@ -262,6 +263,19 @@ def collect_partial(engine, source: GroupSource, buffer: PartialBuffer, step: in
         "response/aborted_ratio": aborted / max(calls, 1),
     }
     return batch, data_pos
+
+
+ROUNDS_PER_RESPONSE = 4  # token_budget=0 (auto): a response takes at most this many rounds
+
+
+def token_budget(configured: int, max_new_tokens: int) -> int:
+    """New tokens per pending sample per round of the deterministic cut. Every round re-prefills prompt + prefix,
+    so the budget bounds the rounds a response can take (1 token a round: O(length^2) prefill work).
+
+    >>> token_budget(0, 4), token_budget(0, 1024), token_budget(16, 1024)
+    (1, 256, 16)
+    """
+    return configured or -(-max_new_tokens // ROUNDS_PER_RESPONSE)
 
 
 def _time_up(deadline: float):

@@ -135,7 +135,9 @@ class DeterminismConfig:
 @dataclass
 class PartialRolloutConfig:
     enabled: bool = False
-    token_budget: int = 1  # determinism on: new tokens per pending sample per generation round (the cut)
+    # determinism on: new tokens per pending sample per generation round (the cut). Each round re-prefills prompt +
+    # prefix, so a budget of 1 costs O(length^2): 0 = auto, ceil(rollout.max_new_tokens / ROUNDS_PER_RESPONSE)
+    token_budget: int = 0
     oversample: float = 1.5  # prompt groups in flight per step, as a multiple of train_batch_size
     max_staleness: int = 2  # an unfinished sample whose oldest token is older than this many versions restarts
     stale_tokens: str = "keep"  # keep (importance ratio vs the behaviour logprobs) | mask | rescore
@@ -336,7 +338,8 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "must be >= 1")
     _check(r.num_workers >= 1, "rollout.num_workers", r.num_workers, "must be >= 1")
     _check(r.max_batch_size >= 1, "rollout.max_batch_size", r.max_batch_size, "must be >= 1")
-    _check(r.partial.token_budget >= 1, "rollout.partial.token_budget", r.partial.token_budget, "must be >= 1")
+    _check(r.partial.token_budget >= 0, "rollout.partial.token_budget", r.partial.token_budget,
+           "must be >= 0 (0 = auto: max_new_tokens / 4 a round)")
     _check(r.partial.oversample >= 1.0, "rollout.partial.oversample", r.partial.oversample, "must be >= 1")
     _check(r.partial.max_staleness >= 0, "rollout.partial.max_staleness", r.partial.max_staleness, "must be >= 0")
     _choice("rollout.partial.stale_tokens", r.partial.stale_tokens, ("keep", "mask", "rescore"))
