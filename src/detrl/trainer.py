@@ -37,6 +37,7 @@ from detrl.data import build_task, stop_token_ids, tokenizer_for
 from detrl.device import resolve_device, resolve_dtype, to_device
 from detrl.evaluate import Evaluator
 from detrl.fingerprint import drift_step, params_digest, rollout_fingerprints
+from detrl.models import preflight
 from detrl.models.build import build_model, checkpoint_architecture
 from detrl.models.forward import rope_tables
 from detrl.models.logprobs import sequence_logprobs
@@ -300,6 +301,10 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.use_kl_loss else None
     model.train()
     rope = rope_tables(model.config, ctx_len, det.device, det.dtype)
+    # determinism=on: batch invariance proven on this device, dtype and model before step 0 (fail-closed)
+    numerics = preflight.numerics_contract(det, model, ctx_len, rope)
+    if distributed.is_main():
+        (run_dir / "numerics.json").write_text(json.dumps(numerics, indent=1))
     engine = make_engine(cfg, model, det, ctx_len, sampling, tokenizer, run_dir)
     if world > 1:  # FSDP2 over the trainer's models; this rank's engine serves its share of each generate
         distributed.shard(model, ref_model)

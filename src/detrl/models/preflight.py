@@ -8,16 +8,25 @@
 `require(...)` raises (fail-closed) when a check finds a difference; `negative_control(...)` runs the same checks
 with the default op set and must find one (else the check proves nothing on this device).
 
-Not yet wired into `train()` (it has not run on a GPU): the plan is `determinism=on` on CUDA calls
-`require(...)` and `negative_control(...)` once before step 0 with the run's batch and ctx_len.
+`numerics_contract(...)` is what `train()` runs before step 0: under `determinism=on` it requires the checks
+to pass with the run's op set, device, dtype, ctx_len and model (one line naming what varies, else the run does
+not start), runs the negative control with the device's default op set, and returns the run's "numerics
+contract" (the result, the op sets, the device, versions and environment), written to <run_dir>/numerics.json.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from detrl.models.forward import KVCache, Weights, forward, log_probs
+from detrl.config import ConfigError
+from detrl.models.forward import KVCache, Weights, forward, fuse, log_probs
 from detrl.models.ops import Ops
+
+
+class PreflightError(ConfigError):
+    """determinism=on cannot be honoured here: the check found a row or phase that varies (one line)."""
 
 
 def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -58,10 +67,48 @@ def check(weights: Weights, ops: Ops, ctx_len: int, rope, batch: int = 8, prompt
 def require(weights: Weights, ops: Ops, ctx_len: int, rope, **kw) -> None:
     found = check(weights, ops, ctx_len, rope, **kw)
     if found:
-        raise RuntimeError(f"determinism=on: batch invariance not proven on {weights.embed.device} "
-                           f"({weights.embed.dtype}, ops {ops.name}): {found[0]}")
+        raise PreflightError(f"determinism=on refused: batch invariance not proven on {weights.embed.device} "
+                             f"({weights.embed.dtype}, ops {ops.name}): {found[0]}")
 
 
 def negative_control(weights: Weights, ops: Ops, ctx_len: int, rope, **kw) -> list[str]:
     """The same checks with `ops` = a default op set: what they find (expected: something, on a GPU)."""
     return check(weights, ops, ctx_len, rope, **kw)
+
+
+ENV_KEYS = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "NCCL_ALGO", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+
+
+def numerics_contract(det, model, ctx_len: int, rope) -> dict:
+    """Before step 0. determinism=on: `require` with the run's ops (raises PreflightError) and the negative
+    control with the device's default ops; off: nothing is checked. -> the run's numerics contract (JSON-able)."""
+    import torch
+
+    from detrl.models.ops import CUDA_DEFAULT_OPS, DEFAULT_OPS
+
+    dev = torch.device(det.device)
+    contract = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "dtype": str(det.dtype), "ops": det.ops.name, "torch": torch.__version__,
+        "cuda": torch.version.cuda, "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ},
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
+    try:
+        import triton
+
+        contract["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if not det.enabled:
+        return {**contract, "preflight": "not run (determinism=off)"}
+    with torch.no_grad():
+        weights = fuse(model, det.ops.dtype)
+    require(weights, det.ops, ctx_len, rope)
+    control = CUDA_DEFAULT_OPS if dev.type == "cuda" else DEFAULT_OPS
+    if det.ops.dtype is not None:
+        import dataclasses
+
+        control = dataclasses.replace(control, dtype=det.ops.dtype)
+    found = negative_control(weights, control, ctx_len, rope)
+    return {**contract, "preflight": "passed: rows and prefill/decode phases bitwise equal",
+            "negative_control": found or ["found nothing: on this device the check may be blind"]}
