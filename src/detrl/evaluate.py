@@ -17,6 +17,7 @@ import math
 
 from tqdm import tqdm
 
+from detrl import distributed
 from detrl.config import ConfigError, TrainConfig
 from detrl.determinism import stable_hash
 from detrl.rollout import Request
@@ -52,7 +53,8 @@ class Evaluator:
         scores, lengths, clipped, per_prompt = [], [], 0, []
         self.task.pop_errors()  # count this eval's reward errors only
         try:
-            bar = tqdm(total=count, desc=f"eval@{step}", unit="prompt", leave=False, dynamic_ncols=True)
+            bar = tqdm(total=count, desc=f"eval@{step}", unit="prompt", leave=False, dynamic_ncols=True,
+                       disable=not distributed.is_main())  # one bar per run, not per rank
             for lo in range(0, count, e.batch_prompts):
                 chunk = problems[lo : lo + e.batch_prompts]
                 requests = []
