@@ -48,10 +48,6 @@ def ints_digest(rows: Iterable[Iterable[int]]) -> str:
     return digest(np.asarray(list(r), dtype=np.int64).tobytes() for r in rows)
 
 
-def floats_digest(rows: Iterable[Iterable[float]]) -> str:
-    return digest(np.asarray(list(r), dtype=np.float32).tobytes() for r in rows)
-
-
 def params_digest(model: torch.nn.Module | dict[str, torch.Tensor]) -> str:
     """Over a module's state dict, or a state dict (e.g. the full one gathered from FSDP2 shards)."""
     state = model if isinstance(model, dict) else model.state_dict()

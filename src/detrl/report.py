@@ -99,6 +99,16 @@ def _wrap(title: str, width: int) -> str:
     return "\n".join(textwrap.fill(line, width) for line in title.split("\n"))
 
 
+def _style_step_panel(ax, panel: str, ylabel: str, grid: str = "major") -> None:
+    """A small-multiple panel over steps: its title, integer step ticks, the y label on the first column."""
+    ax.set_title(panel, fontsize=9)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("step")
+    if ax.get_subplotspec().is_first_col():
+        ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, which=grid)
+
+
 def _finish(fig, title: str) -> None:
     width = int(fig.get_figwidth() * 12)  # characters per line at fontsize 10
     fig.suptitle(_wrap(title, width), fontsize=10)
@@ -140,12 +150,7 @@ def fig_param_distance(sweep: Sweep):
         ticks = [t for t in ax.get_yticks() if t > floor * 1.01]
         ax.set_yticks([floor, *ticks], ["exactly 0", *[f"1e{round(math.log10(t))}" for t in ticks]])
         ax.set_ylim(floor / 3, max(positive.max() * 3, floor * 10) if positive.size else floor * 10)
-        ax.set_title(panel, fontsize=9)
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.set_xlabel("step")
-        if ax.get_subplotspec().is_first_col():
-            ax.set_ylabel("‖θ_a − θ_b‖₂ between repeats")
-        ax.grid(alpha=0.3, which="major")
+        _style_step_panel(ax, panel, "‖θ_a − θ_b‖₂ between repeats")
     _legend(fig, any(_partial(c) for c in dist.cell))
     _finish(fig, title)
     return fig
@@ -165,12 +170,7 @@ def fig_reward(sweep: Sweep):
         ax.plot(g.step, g["mean"], ls, color=color, lw=1.2)
         ax.fill_between(g.step, g["min"], g["max"], color=color, alpha=0.12)
     for panel, ax in axes.items():
-        ax.set_title(panel, fontsize=9)
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.set_xlabel("step")
-        if ax.get_subplotspec().is_first_col():
-            ax.set_ylabel("reward (fraction exact)")
-        ax.grid(alpha=0.3)
+        _style_step_panel(ax, panel, "reward (fraction exact)")
     _legend(fig, any(_partial(c) for c in s.cell))
     _finish(fig, title)
     return fig
@@ -230,12 +230,7 @@ def fig_mismatch(sweep: Sweep):
         ax.fill_between(g.step, g["min"], g["max"], color=COLOR["off"], alpha=0.15)
     for panel, ax in axes.items():
         ax.set_yscale("log")
-        ax.set_title(panel, fontsize=9)
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.set_xlabel("step")
-        if ax.get_subplotspec().is_first_col():
-            ax.set_ylabel("max |log p_train − log p_rollout| (nats)")
-        ax.grid(alpha=0.3, which="both")
+        _style_step_panel(ax, panel, "max |log p_train − log p_rollout| (nats)", grid="both")
     _legend(fig, any(_partial(c) for c in off_cells), modes=("off",))
     _finish(fig, title)
     return fig

@@ -254,7 +254,7 @@ def make_engine(cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingPa
         from detrl.rollout.sglang_launch import launch, server_argv, sglang_dtype, sglang_version
 
         s, urls, procs = r.sglang, list(r.sglang.urls), []
-        dtype = next(model.parameters()).dtype  # served as is: rollout logprobs in the policy's precision
+        dtype = det.dtype  # served in the trainer's compute dtype (bf16 on GPUs), not its fp32 masters'
         if not urls:  # launch our own servers from the current policy
             sglang_version()  # one line telling how to install it, if it is not
             init = run_dir / "sglang-init"

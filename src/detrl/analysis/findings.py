@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-import pandas as pd
 
 from detrl.analysis.drift import distances
 from detrl.analysis.load import Sweep
@@ -155,8 +154,3 @@ def findings(sweep: Sweep) -> list[str]:
     f = facts(sweep)
     return [s for s in (divergence_sentence(f), distance_sentence(f), reward_sentence(f)) if s]
 
-
-def cells_frame(sweep: Sweep) -> pd.DataFrame:
-    """One row per cell: its parsed settings (for panel layouts)."""
-    cells = sorted(sweep.runs.cell.unique())
-    return pd.DataFrame([{"cell": c, **parse_cell(c)} for c in cells])

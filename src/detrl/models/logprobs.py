@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from detrl.algos.core import entropy_from_logp
 from detrl.models.forward import Weights, forward, fuse, log_probs
 
 CHUNK_ELEMENTS = 2**24  # logits per chunk (64 MiB of fp32)
@@ -30,7 +31,7 @@ def _head(rows: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, linear, te
           entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     logp = log_probs(linear(rows, w), temperature)  # [c, V]
     tok = logp.gather(-1, targets[:, None]).squeeze(-1)  # [c]
-    ent = -(logp.exp() * logp).sum(-1) if entropy else tok.new_zeros(0)
+    ent = entropy_from_logp(logp) if entropy else tok.new_zeros(0)
     return tok, ent
 
 

@@ -21,16 +21,16 @@ import os
 import torch
 
 from detrl.config import ConfigError
-from detrl.models.forward import KVCache, Weights, forward, fuse, log_probs
+from detrl.models.forward import KVCache, Weights, forward, fuse, token_logprobs
 from detrl.models.ops import Ops
+
+
+def _logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return token_logprobs(logits, targets, 1.0)[0]
 
 
 class PreflightError(ConfigError):
     """determinism=on cannot be honoured here: the check found a row or phase that varies (one line)."""
-
-
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return log_probs(logits, 1.0).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 @torch.no_grad()
@@ -40,10 +40,10 @@ def check(weights: Weights, ops: Ops, ctx_len: int, rope, batch: int = 8, prompt
     dev, vocab = weights.embed.device, weights.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (batch, ctx_len), generator=g).to(dev)
-    full = _token_logprobs(forward(weights, ids, ops, ctx_len, rope)[:, :-1], ids[:, 1:])  # [B, L-1]
+    full = _logprobs_of(forward(weights, ids, ops, ctx_len, rope)[:, :-1], ids[:, 1:])  # [B, L-1]
     found = []
     for rows in (slice(0, 1), slice(1, 1 + max(1, batch // 2 - 1))):  # alone, and in a batch of another size
-        part = _token_logprobs(forward(weights, ids[rows], ops, ctx_len, rope)[:, :-1], ids[rows, 1:])
+        part = _logprobs_of(forward(weights, ids[rows], ops, ctx_len, rope)[:, :-1], ids[rows, 1:])
         if not torch.equal(part, full[rows]):
             found.append(f"rows {rows.start}..{rows.stop - 1}: trainer logprobs depend on the batch "
                          f"(max diff {(part - full[rows]).abs().max().item():.3g})")
@@ -53,7 +53,7 @@ def check(weights: Weights, ops: Ops, ctx_len: int, rope, batch: int = 8, prompt
     decoded = []
     for pos in range(prompt_len, min(ctx_len, prompt_len + 6)):
         tok = ids[:, pos]
-        decoded.append(_token_logprobs(last, tok))
+        decoded.append(_logprobs_of(last, tok))
         last = forward(weights, tok[:, None], ops, ctx_len, rope, cache=cache,
                        positions=torch.full((batch, 1), pos, device=dev))[:, 0]
     decoded = torch.stack(decoded, 1)  # [B, steps]
