@@ -31,7 +31,7 @@ from detrl.algos import (
 )
 from detrl.algos.core import masked_mean
 from detrl.algos.rollout_correction import rollout_correction
-from detrl.collect import GroupSource, RankEngine, StepBatch, collect, collect_partial
+from detrl.collect import GroupSource, StepBatch, collect, collect_partial
 from detrl.config import ConfigError, TrainConfig
 from detrl.data import build_task, stop_token_ids, tokenizer_for
 from detrl.device import resolve_device, resolve_dtype, to_device
@@ -43,6 +43,7 @@ from detrl.models.forward import rope_tables
 from detrl.models.logprobs import sequence_logprobs
 from detrl.rollout import EmbeddedEngine, SamplingParams
 from detrl.rollout.partial import PartialBuffer
+from detrl.rollout.ranks import RankEngine
 from detrl.tracking import Tracker
 from detrl.warmstart import load_or_build
 
