@@ -62,12 +62,13 @@ class GroupSource:
             out.append((uid, p.answer, reqs))
         return out
 
-    def score(self, results: list[Result], answer: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, results: list[Result], answer: str, task=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shaped, correct) rewards of a group's responses; `task` (default the train split) counts the errors."""
         ol = self.cfg.algo.overlong
         # the response without its stop token (eos / <|im_end|> ...); a reward that raises or times out scores 0
         texts = self.tokenizer.batch_decode([r.tokens[:-1] if r.finish_reason == "stop" else r.tokens
                                              for r in results], skip_special_tokens=True)
-        correct = torch.tensor(self.task.score_texts(texts, answer))
+        correct = torch.tensor((task or self.task).score_texts(texts, answer))
         shaped = correct.clone()
         if ol.enabled:
             lengths = torch.tensor([len(r.tokens) for r in results])

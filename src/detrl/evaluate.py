@@ -67,9 +67,7 @@ class Evaluator:
                 by_uid = {r.uid: r for r in results}
                 for p, i in zip(chunk, range(0, len(requests), e.n)):
                     rs = [by_uid[req.uid] for req in requests[i : i + e.n]]
-                    texts = tok.batch_decode([r.tokens[:-1] if r.finish_reason == "stop" else r.tokens for r in rs],
-                                             skip_special_tokens=True)
-                    s = self.task.score_texts(texts, p.answer)
+                    s = self.source.score(rs, p.answer, self.task)[1].tolist()  # the task reward, errors counted here
                     scores += s
                     per_prompt.append(max(s))
                     lengths += [len(r.tokens) for r in rs]
