@@ -13,7 +13,7 @@ SGLANG := sglang==0.5.23 triton==3.9.0
 SGLANG_IMPORTS := ipython pillow aiohttp msgspec numpy orjson packaging psutil pybase64 pydantic requests \
 	starlette tqdm typing-extensions pyzmq
 
-.PHONY: help install install-test train test lint format matrix clean-venv
+.PHONY: help install install-test train test lint format matrix ablation clean-venv
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -48,6 +48,11 @@ lint: install-test  ## ruff
 format: install-test  ## ruff format + import order
 	$(PY) -m ruff check --fix src tests train.py benchmarks
 	$(PY) -m ruff format src tests train.py benchmarks
+
+ablation: install  ## ablate each source of nondeterminism (conf/ablation/), then render its report into docs/source_ablation/
+	rm -rf outputs/sweeps/source_ablation_latest
+	$(PY) train.py -m experiment=source_ablation hydra.sweep.dir=outputs/sweeps/source_ablation_latest
+	$(PY) -m detrl.report outputs/sweeps/source_ablation_latest --out docs/source_ablation
 
 matrix: install  ## run the determinism_matrix study, then render its report into docs/determinism_matrix/
 	rm -rf outputs/sweeps/determinism_matrix_latest

@@ -56,7 +56,7 @@ def main() -> None:
             f"model.hidden_size={args.hidden}", f"model.intermediate_size={2 * args.hidden}", "model.head_dim=16",
             f"model.max_position_embeddings={ctx}", f"rollout.max_new_tokens={args.response}", "train_batch_size=1",
             f"rollout.n={n}", f"micro_batch_size={n}"]))
-    det = setup(cfg.determinism.enabled, 0)
+    det = setup(cfg.determinism, 0)
     model = build_model(cfg.model, seed=0).train()
     ref = build_model(cfg.model, seed=0).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -21,7 +21,9 @@ GROUPS = {
 def test_every_group_combination_composes(choice):
     cfg = make_cfg(*(f"{g}={c}" for g, c in zip(GROUPS, choice)))
     assert cfg.model.name == choice[0] and cfg.algo.name == choice[1] and cfg.determinism.name == choice[2]
-    assert cfg.determinism.enabled == (choice[2] == "on")
+    from detrl.determinism import preset
+
+    assert {s: getattr(cfg.determinism, s) for s in preset("on")} == preset(choice[2])
     assert cfg.logger.backend == choice[5]
 
 

@@ -42,7 +42,7 @@ def test_cpu_default_ops_are_the_cpu_sets():
     assert det_mod.setup(False, 0).ops is DEFAULT_OPS
     assert det_mod.setup(True, 0).ops is BATCH_INVARIANT_OPS
     torch.use_deterministic_algorithms(False)
-    gpu = det_mod.Determinism(False, 0, torch.device("cuda"), torch.bfloat16)
+    gpu = det_mod.Determinism(det_mod.preset("off"), 0, torch.device("cuda"), torch.bfloat16)
     assert gpu.ops.moe is grouped_moe and gpu.ops.dtype == torch.bfloat16
 
 

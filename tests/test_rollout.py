@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detrl.config import ModelConfig
-from detrl.determinism import Determinism
+from detrl.determinism import Determinism, preset
 from detrl.models import BATCH_INVARIANT_OPS, DEFAULT_OPS, build_model
 from detrl.rollout import EmbeddedEngine, Request, SamplingParams
 from detrl.rollout.embedded import _fixed_batches
@@ -20,7 +20,7 @@ def _engine(ops=BATCH_INVARIANT_OPS, name="qwen3", **kw):
 
 
 def _requests(n, seeded=True, prompt_len=5):
-    det = Determinism(enabled=True, seed=0)
+    det = Determinism(preset("on"), seed=0)
     out = []
     for i in range(n):
         ids = tuple(range(3, 3 + prompt_len - (i % 3)))

@@ -159,7 +159,7 @@ def collect_partial(engine, source: GroupSource, buffer: PartialBuffer, step: in
     while True:
         pending = buffer.pending()
         samples = {s.request.uid: s for s in pending}
-        if det.enabled:  # deterministic cut: every pending sample advances by at most token_budget tokens
+        if det.budget_cut:  # deterministic cut: every pending sample advances by at most token_budget tokens
             results = engine.generate([s.continuation(budget) for s in pending])
         else:  # async cut: when enough groups finish, or at a wall-clock budget, wherever the others are
             if pr.off_cut == "time":
@@ -172,7 +172,7 @@ def collect_partial(engine, source: GroupSource, buffer: PartialBuffer, step: in
         for r in results:
             samples[r.uid].absorb(r, version)
         complete = [g for g in buffer.groups if g.complete]  # submission order
-        if not det.enabled:  # completion order: by when each group's last sample came back
+        if not det.submission_order:  # completion order: by when each group's last sample came back
             last = {r.request.prompt_uid: i for i, r in enumerate(results)}
             complete.sort(key=lambda g: last.get(g.prompt_uid, -1))
         buffer.take(complete)

@@ -128,8 +128,19 @@ class OptimConfig:
 
 @dataclass
 class DeterminismConfig:
-    name: str = "on"  # on | off
-    enabled: bool = True
+    """The preset (conf/determinism/{on,off}.yaml) and the value of each source of nondeterminism; the values
+    and what each means: detrl.determinism.SOURCES. One override flips one source:
+    `python train.py determinism=on determinism.kernels=default`."""
+
+    name: str = "on"  # the preset the values started from: on | off
+    sampling: str = "seeded"  # seeded | stream
+    routing: str = "fixed"  # fixed | dynamic
+    kernels: str = "batch_invariant"  # batch_invariant | default
+    order: str = "submission"  # submission | completion
+    moe_routing: str = "stable"  # stable | topk
+    torch_algorithms: str = "deterministic"  # deterministic | default
+    cut: str = "token_budget"  # partial rollout: token_budget | async
+    reduce: str = "ordered"  # torchrun gradients: ordered | all_reduce
 
 
 @dataclass
@@ -327,11 +338,15 @@ def validate(cfg: TrainConfig) -> None:
            f"must divide train_batch_size={cfg.train_batch_size} (prompts; 0 or >= it = the whole batch)")
     _check(cfg.determinism.name in ("on", "off"), "determinism", cfg.determinism.name, "choose one of ['on', 'off']")
     _choice("rollout.backend", r.backend, ROLLOUT_BACKENDS)
+    from detrl.determinism import check as _check_determinism
+
+    try:
+        _check_determinism(vars(cfg.determinism), partial=r.partial.enabled, backend=r.backend)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if r.backend == "sglang":
         _check(r.sglang.num_servers >= 1, "rollout.sglang.num_servers", r.sglang.num_servers, "must be >= 1")
         _choice("rollout.sglang.attention_backend", r.sglang.attention_backend, ("fa3", "flashinfer", "triton"))
-        _check(not (r.partial.enabled and cfg.determinism.name == "off"), "rollout.partial.enabled",
-               r.partial.enabled, "with rollout=sglang the partial-rollout cut is the token budget: use determinism=on")
     _check(r.n >= 1, "rollout.n", r.n, "must be >= 1")
     _check(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0")
     _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")

@@ -1,22 +1,29 @@
-"""The one place that decides what `determinism=on` / `off` means. Everything else asks it.
+"""The one place that decides what determinism means: each source of nondeterminism has a switch, and
+`determinism=on` / `off` are presets that set all of them. Everything else asks this module.
 
-| source              | off (torch defaults, as real systems run)  | on                                           |
-|---------------------|--------------------------------------------|----------------------------------------------|
-| sampling RNG        | each worker's stream, in the order its     | per-sample seed = hash(seed, step, uid, idx) |
-|                     | batches run                                |                                              |
-| result order        | completion order                           | submission order (data position, sample idx) |
-| routing to workers  | first free worker, dynamic batches         | submission order in full batches, batch j -> |
-|                     |                                            | worker j mod num_workers                     |
-| kernels             | F.linear / SDPA / F.silu / grouped MoE     | batch-invariant ops (detrl.models.ops)       |
-| MoE routing         | torch.topk (ties as the kernel breaks them)| stable sort: ties -> lowest expert id        |
-| MoE dispatch        | gather per expert, index_add_ in ascending | the same grouping on batch-invariant gemms,  |
-|                     | id, default gemms                          | so a token's result ignores its expert-mates |
-| torch               | defaults                                   | deterministic algorithms (no NaN-fill of     |
-|                     |                                            | torch.empty), CUBLAS workspace, TF32 off     |
-| ranks (torchrun)    | prompt groups from a shared queue; each    | groups in contiguous blocks by submission    |
-|                     | rank a contiguous 1/W of a mini-batch,     | order; virtual micro-batches k -> rank k % W,|
-|                     | gradients all-reduced and averaged         | gradients summed in micro-batch order        |
-Both modes seed python, numpy and torch from the run seed: `off` releases pins, it never adds noise.
+| source (`determinism.<key>`) | off value: as real systems run          | on value                                    |
+|------------------------------|-----------------------------------------|---------------------------------------------|
+| sampling                     | stream: each worker's RNG stream, in    | seeded: per-sample seed =                   |
+|                              | the order its batches run               | hash(seed, step, uid, idx)                  |
+| routing (requests -> workers | dynamic: first free worker, dynamic     | fixed: submission order in full batches,    |
+|   and ranks)                 | batches; ranks claim prompt groups      | batch j -> worker j mod W; group i -> rank  |
+|                              | from a shared queue                     | i W // G                                    |
+| kernels                      | default: F.linear / SDPA / F.silu /     | batch_invariant: detrl.models.ops (proven   |
+|                              | grouped MoE (torch's, by device)        | before step 0 by the preflight)             |
+| order (results -> trainer)   | completion: as the engine returns them  | submission: (data position, sample index)   |
+| moe_routing                  | topk: torch.topk (ties as the kernel    | stable: stable sort, ties -> lowest expert  |
+|                              | breaks them)                            | id                                          |
+| torch_algorithms             | default: torch's defaults (CPU          | deterministic: use_deterministic_algorithms,|
+|                              | embedding backward, cuDNN benchmark,    | cuBLAS workspace, TF32 off                  |
+|                              | TF32)                                   |                                             |
+| cut (partial rollout)        | async: when the first groups finish or  | token_budget: every pending sample advances |
+|                              | at a wall-clock budget (off_cut)        | by at most token_budget tokens per round    |
+| reduce (torchrun gradients)  | all_reduce: each rank a contiguous 1/W  | ordered: virtual micro-batch k -> rank k%W, |
+|                              | of a mini-batch, averaged by all-reduce | gradients summed in micro-batch order       |
+
+One override flips one source: `python train.py determinism=on determinism.kernels=default`. `check()` refuses
+the combinations that cannot work, in one line. Every mode seeds python, numpy and torch from the run seed:
+an off value releases a pin, it never adds noise.
 """
 
 from __future__ import annotations
@@ -31,8 +38,52 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from detrl.models.ops import BATCH_INVARIANT_OPS, CUDA_DEFAULT_OPS, DEFAULT_OPS, Ops
+from detrl.models.ops import BATCH_INVARIANT_OPS, CUDA_DEFAULT_OPS, DEFAULT_OPS, Ops, route, route_topk
 from detrl.rollout.base import Request, Result
+
+# source -> (on value, off value)
+SOURCES: dict[str, tuple[str, str]] = {
+    "sampling": ("seeded", "stream"),
+    "routing": ("fixed", "dynamic"),
+    "kernels": ("batch_invariant", "default"),
+    "order": ("submission", "completion"),
+    "moe_routing": ("stable", "topk"),
+    "torch_algorithms": ("deterministic", "default"),
+    "cut": ("token_budget", "async"),
+    "reduce": ("ordered", "all_reduce"),
+}
+PRESETS = ("on", "off")
+
+
+def preset(name: str) -> dict[str, str]:
+    """The value of every source under the preset `name` (on | off)."""
+    if name not in PRESETS:
+        raise ValueError(f"determinism={name!r} is not valid; choose one of {list(PRESETS)}")
+    return {s: vals[PRESETS.index(name)] for s, vals in SOURCES.items()}
+
+
+def flipped(sources: dict[str, str], name: str) -> list[str]:
+    """The sources whose value differs from the preset `name`, as `source=value` (empty: the plain preset)."""
+    base = preset(name)
+    return [f"{s}={sources[s]}" for s in SOURCES if sources[s] != base[s]]
+
+
+def check(sources: dict[str, str], *, partial: bool = False, backend: str = "embedded") -> None:
+    """Refuse values and combinations that cannot work, with one line (ValueError; config.validate re-raises it
+    as a ConfigError)."""
+    for s, vals in SOURCES.items():
+        if sources[s] not in vals:
+            raise ValueError(f"determinism.{s}={sources[s]!r} is not valid; choose one of {list(vals)}")
+    if partial and sources["cut"] == "async" and sources["routing"] == "fixed":
+        raise ValueError("determinism.cut='async' is not valid with determinism.routing='fixed': the engine cuts "
+                         "running batches by the clock only when batches are dynamic; set determinism.routing=dynamic")
+    if backend == "sglang" and (sources["sampling"] == "seeded") != (sources["kernels"] == "batch_invariant"):
+        raise ValueError(f"determinism.sampling={sources['sampling']!r} is not valid with determinism.kernels="
+                         f"{sources['kernels']!r} on rollout=sglang: one server flag (--enable-deterministic-inference)"
+                         " sets both; choose seeded + batch_invariant or stream + default")
+    if backend == "sglang" and partial and sources["cut"] == "async":
+        raise ValueError("determinism.cut='async' is not valid with rollout=sglang: its partial-rollout cut is "
+                         "the token budget; set determinism.cut=token_budget")
 
 
 def stable_hash(*parts: int | str) -> int:
@@ -44,73 +95,125 @@ def stable_hash(*parts: int | str) -> int:
     return struct.unpack("<Q", h.digest())[0] >> 1
 
 
-@dataclass(frozen=True)
+def _sources(mode) -> dict[str, str]:
+    """bool (all on / all off), a preset name, or a mapping with every source (a DeterminismConfig's fields)."""
+    if isinstance(mode, bool):
+        return preset("on" if mode else "off")
+    if isinstance(mode, str):
+        return preset(mode)
+    values = mode if isinstance(mode, dict) else dataclasses.asdict(mode)
+    return {s: values[s] for s in SOURCES}
+
+
+@dataclass(frozen=True, eq=False)
 class Determinism:
-    enabled: bool
+    sources: dict[str, str]  # every key of SOURCES -> its value
     seed: int
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32  # the compute dtype (master weights stay float32)
     activation_checkpointing: bool = False
 
+    def _on(self, source: str) -> bool:
+        return self.sources[source] == SOURCES[source][0]
+
     @property
-    def ops(self) -> Ops:
-        """The op set for this mode and device (CPU, float32, no recomputation: the CPU sets themselves)."""
-        if self.enabled:
-            base = BATCH_INVARIANT_OPS
-        else:
-            base = CUDA_DEFAULT_OPS if self.device.type == "cuda" else DEFAULT_OPS
-        if self.dtype == torch.float32 and not self.activation_checkpointing:
-            return base
-        return dataclasses.replace(base, dtype=self.dtype, checkpoint=self.activation_checkpointing)
+    def enabled(self) -> bool:
+        """Every source pinned (the `on` preset)."""
+        return all(self._on(s) for s in SOURCES)
 
-    def prompt_uid(self, data_position: int) -> int:
-        """Stable id of the prompt at a data position (the same in both modes: ids are ids)."""
-        return stable_hash("prompt", self.seed, data_position)
-
-    def sampling_seed(self, step: int, prompt_uid: int, sample_index: int) -> int | None:
-        """Per-sample seed when on; None (the engine's streams) when off."""
-        if not self.enabled:
-            return None
-        return stable_hash("sample", self.seed, step, prompt_uid, sample_index)
+    @property
+    def seeded_sampling(self) -> bool:
+        return self._on("sampling")
 
     @property
     def fixed_routing(self) -> bool:
-        """on: full batches in submission order, batch j -> worker j mod W; off: first free worker."""
-        return self.enabled
+        """fixed: full batches in submission order, batch j -> worker j mod W; dynamic: first free worker."""
+        return self._on("routing")
+
+    @property
+    def invariant_kernels(self) -> bool:
+        return self._on("kernels")
+
+    @property
+    def submission_order(self) -> bool:
+        return self._on("order")
+
+    @property
+    def budget_cut(self) -> bool:
+        """Partial rollout: cut every round at the token budget (else by time / first groups done)."""
+        return self._on("cut")
+
+    @property
+    def ordered_reduce(self) -> bool:
+        return self._on("reduce")
+
+    @property
+    def ops(self) -> Ops:
+        """The op set for these kernels, MoE routing and device (CPU, float32, no recomputation: the sets
+        themselves)."""
+        if self.invariant_kernels:
+            base = BATCH_INVARIANT_OPS
+        else:
+            base = CUDA_DEFAULT_OPS if self.device.type == "cuda" else DEFAULT_OPS
+        changes = {}
+        routing = route if self._on("moe_routing") else route_topk
+        if base.route is not routing:
+            changes["route"] = routing
+        if self.dtype != torch.float32 or self.activation_checkpointing:
+            changes.update(dtype=self.dtype, checkpoint=self.activation_checkpointing)
+        return dataclasses.replace(base, **changes) if changes else base
+
+    def prompt_uid(self, data_position: int) -> int:
+        """Stable id of the prompt at a data position (the same in every mode: ids are ids)."""
+        return stable_hash("prompt", self.seed, data_position)
+
+    def sampling_seed(self, step: int, prompt_uid: int, sample_index: int) -> int | None:
+        """Per-sample seed when sampling is seeded; None (the engine's streams) otherwise."""
+        if not self.seeded_sampling:
+            return None
+        return stable_hash("sample", self.seed, step, prompt_uid, sample_index)
+
+    def eval_seed(self, prompt_uid: int, sample_index: int) -> int | None:
+        """The evaluator's per-sample seed (apart from the training stream's), or None."""
+        return stable_hash("eval-sample", prompt_uid, sample_index) if self.seeded_sampling else None
 
     def rank_split(self, groups: int, world: int) -> list[int] | None:
-        """Which rank generates each of `groups` prompt groups (submission order) under torchrun. on: a fixed
-        rule, contiguous near-equal blocks in submission order (group i -> rank i * W // G), so a group's
-        rank depends on nothing that runs; with per-sample seeds and batch-invariant ops its bits do not
-        depend on the rank at all. off: None, by availability (ranks claim chunks from a shared queue)."""
-        if not self.enabled:
+        """Which rank generates each of `groups` prompt groups (submission order) under torchrun. fixed routing:
+        contiguous near-equal blocks in submission order (group i -> rank i * W // G), so a group's rank depends
+        on nothing that runs; with per-sample seeds and batch-invariant ops its bits do not depend on the rank at
+        all. dynamic: None, by availability (ranks claim chunks from a shared queue)."""
+        if not self.fixed_routing:
             return None
         return [i * world // groups for i in range(groups)]
 
     def order(self, results: list[Result], requests: list[Request]) -> list[Result]:
-        """on: submission order (data position, then sample index); off: as the engine returned them."""
-        if not self.enabled:
+        """submission: (data position, then sample index); completion: as the engine returned them."""
+        if not self.submission_order:
             return list(results)
         rank = {r.uid: i for i, r in enumerate(requests)}
         return sorted(results, key=lambda r: rank[r.uid])
 
 
-def setup(enabled: bool, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+def setup(mode, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
           activation_checkpointing: bool = False) -> Determinism:
     """Seed every RNG from the run seed (CUDA's too: torch.manual_seed seeds every device) and set torch's
-    global determinism flags, before any CUDA work (cuBLAS reads its workspace config at first use)."""
+    global determinism flags, before any CUDA work (cuBLAS reads its workspace config at first use).
+    `mode`: True / False (the on / off presets), a preset name, or a DeterminismConfig."""
+    sources = _sources(mode)
+    check(sources)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    if enabled:
+    pinned = sources["torch_algorithms"] == SOURCES["torch_algorithms"][0]
+    if pinned:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    torch.use_deterministic_algorithms(enabled)
+    torch.use_deterministic_algorithms(pinned)
     # ...but without NaN-filling every torch.empty (a guard for kernels that read memory they never wrote:
     # none here, and the bitwise tests would see it): measured ~20% of a CPU decode step on the tiny model
     torch.utils.deterministic.fill_uninitialized_memory = False
-    torch.backends.cudnn.deterministic = enabled
-    torch.backends.cudnn.benchmark = not enabled
-    torch.backends.cuda.matmul.allow_tf32 = not enabled
-    torch.backends.cudnn.allow_tf32 = not enabled
-    return Determinism(enabled=enabled, seed=seed, device=torch.device(device), dtype=dtype,
+    torch.backends.cudnn.deterministic = pinned
+    torch.backends.cudnn.benchmark = not pinned
+    torch.backends.cuda.matmul.allow_tf32 = not pinned
+    torch.backends.cudnn.allow_tf32 = not pinned
+    return Determinism(sources=sources, seed=seed, device=torch.device(device), dtype=dtype,
                        activation_checkpointing=activation_checkpointing)

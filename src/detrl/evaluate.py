@@ -61,7 +61,7 @@ class Evaluator:
                 for p in chunk:
                     uid = stable_hash("eval", self.cfg.seed, p.index) & ((1 << 62) - 1)
                     ids = tuple(self.task.encode(tok, p))
-                    requests += [Request(uid, k, ids, stable_hash("eval-sample", uid, k) if det.enabled else None)
+                    requests += [Request(uid, k, ids, det.eval_seed(uid, k))
                                  for k in range(e.n)]
                 results = det.order(engine.generate(requests), requests)
                 by_uid = {r.uid: r for r in results}

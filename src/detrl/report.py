@@ -32,6 +32,7 @@ from detrl.analysis import (  # noqa: E402
     spread,
     verdicts,
 )
+from detrl.analysis.ablation import ablation_findings, ablation_table, ablation_title  # noqa: E402
 from detrl.analysis.findings import (  # noqa: E402
     distance_sentence,
     divergence_sentence,
@@ -275,8 +276,78 @@ def fig_cost(sweep: Sweep):
     return fig
 
 
+def fig_ablation(sweep: Sweep):
+    """(6, source-ablation sweeps) Per setting and ablation cell: the reward spread across repeats (mean over
+    steps of the per-step standard deviation, 95% bootstrap interval), blue where the repeats are bitwise
+    identical, orange where they diverge; the label says where they part and whether all-on's bits change."""
+    t = ablation_table(sweep)
+    if t.empty:
+        return _empty("source ablation", "no ablation= cells in this sweep")
+    settings = sorted(t.setting.unique())
+    fig, axes = plt.subplots(1, len(settings), figsize=(6.2 * len(settings), 0.3 * t.groupby("setting").size().max()
+                                                        + 1.8), sharex=True, squeeze=False)
+    top = float(t.reward_spread_hi.max() or 0) or 1.0
+    for ax, setting in zip(axes.flat, settings):
+        g = t[t.setting == setting].reset_index(drop=True)
+        for i, r in g.iterrows():
+            color = COLOR["on"] if r.reproducible else COLOR["off"]
+            ax.barh(i, r.reward_spread or 0, color=color, alpha=0.85, height=0.6)
+            if not r.reward_spread:  # exactly 0: a mark on the axis
+                ax.plot(0, i, "o", ms=4, color=color, clip_on=False)
+            if r.reward_spread:
+                ax.errorbar(r.reward_spread, i, xerr=[[r.reward_spread - r.reward_spread_lo],
+                                                       [r.reward_spread_hi - r.reward_spread]],
+                            fmt="none", ecolor="black", lw=0.8, capsize=2)
+            text = ("bitwise repeats" if r.reproducible else
+                    f"diverge at step {int(r.first_divergence_step)} ({r.first_divergence_stage})")
+            if isinstance(r.differs_from_all_on, str):
+                text += "; = all-on" if r.differs_from_all_on.startswith("no") else \
+                    f"; vs all-on: {r.differs_from_all_on}"
+            ax.text(max(r.reward_spread_hi or 0, 0) + top * 0.02, i, text, va="center", fontsize=7)
+        ax.set_yticks(range(len(g)), g.ablation, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(setting, fontsize=9)
+        ax.set_xlabel("reward std across repeats (mean over steps)")
+        ax.set_xlim(0, top * 1.7)
+        ax.grid(alpha=0.3, axis="x")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOR["on"], label="repeats bitwise identical"),
+               plt.Rectangle((0, 0), 1, 1, color=COLOR["off"], label="repeats diverge")]
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    _finish(fig, ablation_title(t))
+    return fig
+
+
 FIGURES = {"distance": fig_param_distance, "reward": fig_reward, "verdicts": fig_verdicts,
            "mismatch": fig_mismatch, "cost": fig_cost}
+ABLATION_COLUMNS = ["ablation", "kind", "repeats", "reproducible", "first_divergence_step", "first_divergence_stage",
+                    "differs_from_all_on", "reward_spread", "reward_spread_lo", "reward_spread_hi", "reward_drift",
+                    "reward_last", "param_distance_last", "mismatch_max"]
+
+
+def figures_for(sweep: Sweep) -> dict:
+    """FIGURES; for a source-ablation sweep the verdicts and the ablation figure (its cells are not on/off pairs of
+    one setting, which the other figures draw as panels)."""
+    if any("ablation" in parse_cell(c) for c in sweep.runs.cell):
+        return {"ablation": fig_ablation, "verdicts": fig_verdicts}
+    return dict(FIGURES)
+
+
+def ablation_markdown(sweep: Sweep) -> list[str]:
+    """The section "which source causes divergence" (empty for a sweep without ablation cells)."""
+    t = ablation_table(sweep)
+    if t.empty:
+        return []
+    md = ["## Which source causes divergence, at which step, and how far the reward curves drift", "",
+          " ".join(ablation_findings(t)), "",
+          "Cells (conf/ablation/): `no_<source>` = determinism=on with that source alone released; `only_<source>` "
+          "= determinism=off with it alone pinned; the cut is read under partial rollout against "
+          "`all_on_partial` / `all_off_partial`. `reward_spread` = the standard deviation of the reward across "
+          "repeats at each step, averaged over steps (exactly 0 when the repeats are identical), with its 95% "
+          "bootstrap interval over steps; `reward_drift` = the mean over steps of |cell mean reward - all-on's|; "
+          "`differs_from_all_on` = where a leave-one-out cell's first repeat first differs from all-on's.", ""]
+    for setting, g in t.groupby("setting", sort=True):
+        md += [f"### {setting}", "", markdown_table(g[ABLATION_COLUMNS]), ""]
+    return md + ["![ablation](ablation.png)", ""]
 
 
 def summary_markdown(sweep: Sweep, name: str) -> str:
@@ -301,7 +372,8 @@ def summary_markdown(sweep: Sweep, name: str) -> str:
     if len(incomplete):
         md += ["Incomplete runs: " + ", ".join(f"`{r}` ({n} steps)" for r, n in
                                               zip(incomplete.run, incomplete.steps_logged)), ""]
-    md += [f"![{n}]({n}.png)" for n in FIGURES]
+    md += ablation_markdown(sweep)
+    md += [f"![{n}]({n}.png)" for n in figures_for(sweep) if n != "ablation"]
     return "\n".join(md) + "\n"
 
 
@@ -310,7 +382,7 @@ def render(sweep_dir: str | Path | None, out: str | Path | None = None, wandb_pa
     sweep = load_sweep(sweep_dir, wandb_path=wandb_path)
     out = Path(out) if out else Path(sweep_dir or ".") / "report"
     out.mkdir(parents=True, exist_ok=True)
-    for name, make in FIGURES.items():
+    for name, make in figures_for(sweep).items():
         fig = make(sweep)
         fig.savefig(out / f"{name}.png", dpi=110)
         plt.close(fig)

@@ -59,7 +59,12 @@ def context_length(task, tokenizer, max_new_tokens: int) -> int:
 def cell_name(cfg: TrainConfig) -> str:
     """The sweep cell a run belongs to: everything but the replicate index."""
     partial = "on" if cfg.rollout.partial.enabled else "off"
-    return f"{cfg.model.name}_{cfg.algo.name}_det-{cfg.determinism.name}_partial-{partial}_s{cfg.seed}"
+    return f"{cfg.model.name}_{cfg.algo.name}_det-{determinism_label(cfg)}_partial-{partial}_s{cfg.seed}"
+
+
+def determinism_label(cfg: TrainConfig) -> str:
+    """The preset and any source flipped away from it: `on`, `off`, `on-kernels=default`."""
+    return "-".join([cfg.determinism.name, *det_mod.flipped(vars(cfg.determinism), cfg.determinism.name)])
 
 
 def run_name(cfg: TrainConfig) -> str:
@@ -229,7 +234,7 @@ def rollout_metrics(batch: StepBatch, adv: torch.Tensor) -> dict[str, float | st
 def build(cfg: TrainConfig):
     """Seed, then the pieces every entrypoint needs: (determinism, tokenizer, task, ctx_len, policy, sampling)."""
     device = resolve_device(cfg.device)
-    det = det_mod.setup(cfg.determinism.enabled, cfg.seed, device, resolve_dtype(cfg.model.dtype, device),
+    det = det_mod.setup(cfg.determinism, cfg.seed, device, resolve_dtype(cfg.model.dtype, device),
                         cfg.activation_checkpointing)
     if cfg.model.path is not None:  # one line naming what the dir lacks, or its unsupported architecture
         arch = checkpoint_architecture(cfg.model.path, need_tokenizer=True)
@@ -262,7 +267,7 @@ def make_engine(cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingPa
             model.save_pretrained(init)
             tokenizer.save_pretrained(init)
             for i in range(s.num_servers):
-                argv = server_argv(str(init), s.port + i, cfg.seed, det.enabled, s.attention_backend, s.tp_size,
+                argv = server_argv(str(init), s.port + i, cfg.seed, det.invariant_kernels, s.attention_backend, s.tp_size,
                                    s.rl_on_policy_target, dtype=sglang_dtype(dtype))
                 procs.append(launch(argv, run_dir / f"sglang-{i}.log", s.gpu_ids[i] if i < len(s.gpu_ids) else None))
                 urls.append(f"http://127.0.0.1:{s.port + i}")
@@ -270,7 +275,7 @@ def make_engine(cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingPa
             atexit.register(lambda: [p.terminate() for p in procs if p.poll() is None])  # even if we crash early
         engine = SGLangEngine(urls, sampling, det.fixed_routing, r.max_batch_size, timeout_s=s.timeout_s,
                               retries=s.retries, health_timeout_s=s.health_timeout_s, procs=procs,
-                              deterministic=det.enabled, dtype=dtype)
+                              deterministic=det.invariant_kernels, dtype=dtype)
         engine.update_weights(model.state_dict())  # the servers start from the policy
         return engine
     if det.device.type == "cuda":
@@ -310,13 +315,13 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     if world > 1:  # FSDP2 over the trainer's models; this rank's engine serves its share of each generate
         distributed.shard(model, ref_model)
         engine = RankEngine(engine, det)
-    dp = distributed.DataParallel(model, ordered=det.enabled)
+    dp = distributed.DataParallel(model, ordered=det.ordered_reduce)
     # fused: one kernel for all parameters (0.22 vs 1.09 ms per step on the default model)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(o.betas),
                             fused=True)
     warmup = warmup_steps(o.lr_warmup_steps, o.lr_warmup_steps_ratio, cfg.steps)
-    tags = [f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={cfg.determinism.name}",
+    tags = [f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={determinism_label(cfg)}",
             f"partial={cfg.rollout.partial.enabled}", f"repeat={cfg.repeat}"]
     source = GroupSource(det, task, tokenizer, cfg)
     evaluator = Evaluator(cfg, source)  # eval/* every eval.every steps; reward/errors every step

@@ -99,8 +99,8 @@ def numerics_contract(det, model, ctx_len: int, rope) -> dict:
         contract["triton"] = triton.__version__
     except ImportError:
         pass
-    if not det.enabled:
-        return {**contract, "preflight": "not run (determinism=off)"}
+    if not det.invariant_kernels:
+        return {**contract, "preflight": "not run (determinism.kernels=default)"}
     with torch.no_grad():
         weights = fuse(model, det.ops.dtype)
     require(weights, det.ops, ctx_len, rope)
