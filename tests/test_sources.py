@@ -32,7 +32,7 @@ def test_presets_set_every_source_and_one_override_flips_one():
     cfg = make_cfg("determinism=on", "determinism.kernels=default").determinism
     assert flipped(vars(cfg), "on") == ["kernels=default"]
     det = setup(cfg, 0)
-    assert det.ops.name == "default" and det.seeded_sampling and det.fixed_routing and not det.enabled
+    assert det.ops.name == "default" and det.seeded_sampling and det.fixed_routing and not det.invariant_kernels
     assert torch.are_deterministic_algorithms_enabled()
     released = setup(make_cfg("determinism=on", "determinism.torch_algorithms=default").determinism, 0)
     assert released.ops.name == "batch_invariant" and not torch.are_deterministic_algorithms_enabled()

@@ -117,11 +117,6 @@ class Determinism:
         return self.sources[source] == SOURCES[source][0]
 
     @property
-    def enabled(self) -> bool:
-        """Every source pinned (the `on` preset)."""
-        return all(self._on(s) for s in SOURCES)
-
-    @property
     def seeded_sampling(self) -> bool:
         return self._on("sampling")
 
