@@ -6,7 +6,7 @@ import pytest
 
 from detrl.data.base import Task
 from detrl.data.gsm8k import extract_answer, gold_answer, gsm8k_reward
-from detrl.data.math_task import gold_from, math_reward
+from detrl.data.math_task import MathTask, gold_from, math_reward
 
 # (response, gold, flexible reward, strict reward)
 GSM8K_TABLE = [
@@ -100,3 +100,23 @@ def test_a_reward_that_raises_or_hangs_scores_zero_and_is_counted():
     assert task.score_texts(["a", "raise", "hang", "b", "a"], "a") == [1.0, 0.0, 0.0, 0.0, 1.0]
     assert time.perf_counter() - t0 < 2.0
     assert task.pop_errors() == 2 and task.pop_errors() == 0
+
+
+def test_reward_workers_score_the_same_and_count_failures_from_the_pool():
+    """data.reward_workers: the group is scored in spawned processes, each sample under its own timeout; the
+    scores and the error count are the in-process ones."""
+    task = _Flaky(["q"], ["a"])
+    task.reward_workers = 2
+    texts = ["a", "raise", "hang", "b", "a", "hang"]
+    try:
+        assert task.score_texts(texts, "a") == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+        assert task.pop_errors() == 3
+        assert task._executor is not None and len(task._executor._processes) == 2  # really in the pool
+    finally:
+        task._executor.shutdown(cancel_futures=True)
+    rows = MathTask(["q"], ["\\frac{1}{2}"], reward_workers=2)
+    responses = ["$\\boxed{0.5}$", "$\\boxed{\\frac{2}{4}}$", "$\\boxed{3}$", "no answer"]
+    try:
+        assert rows.score_texts(responses, "\\frac{1}{2}") == [math_reward(r, "\\frac{1}{2}") for r in responses]
+    finally:
+        rows._executor.shutdown(cancel_futures=True)

@@ -205,6 +205,7 @@ class DataConfig:
     shuffle: bool = True  # file tasks: the training order is a seeded shuffle of the rows
     gsm8k_method: str = "flexible"  # strict (only "#### N") | flexible (then \\boxed{}, then the last number)
     reward_timeout_s: float = 5.0  # a sample's reward running longer scores 0 and counts in reward/errors
+    reward_workers: int = 0  # gsm8k / math: processes scoring each group's responses (0: the trainer's own)
 
 
 @dataclass
@@ -370,6 +371,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("data.gsm8k_method", d.gsm8k_method, ("strict", "flexible"))
     _check(d.max_prompt_length >= 0, "data.max_prompt_length", d.max_prompt_length, "must be >= 0 (0 = keep all)")
     _check(d.reward_timeout_s >= 0, "data.reward_timeout_s", d.reward_timeout_s, "must be >= 0 (0 = no limit)")
+    _check(d.reward_workers >= 0, "data.reward_workers", d.reward_workers, "must be >= 0 (0 = score in the trainer)")
     _check(ev.every >= 0, "eval.every", ev.every, "must be >= 0 (0 = never)")
     _check(ev.n >= 1, "eval.n", ev.n, "must be >= 1")
     _check(ev.temperature > 0, "eval.temperature", ev.temperature, "must be > 0")

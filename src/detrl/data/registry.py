@@ -68,7 +68,7 @@ def _file_task(d: DataConfig, path: str, key: str, seed: int) -> Task:
         "{prompt} " + DEFAULT_TEMPLATE if d.name == "gsm8k" else "{prompt}")
     prompts = [_apply_template(template, p) for p in prompts]
     common = dict(chat_template=d.chat_template, enable_thinking=d.enable_thinking, system_prompt=d.system_prompt,
-                  reward_timeout_s=d.reward_timeout_s)
+                  reward_timeout_s=d.reward_timeout_s, reward_workers=d.reward_workers)
     if d.name == "gsm8k":
         return GSM8KTask(prompts, answers, method=d.gsm8k_method, **common)
     return MathTask(prompts, answers, **common)
