@@ -201,3 +201,20 @@ def test_default_ops_replay_makes_the_trainer_use_the_rollouts_ids():
         calls = []
         forward(model, ids, _spy(DEFAULT_OPS, calls), CTX, rope, experts=forced)
     assert all(torch.equal(c.view(2, CTX, 2), forced[:, :, i]) for i, c in enumerate(calls))
+
+
+def test_replay_under_activation_checkpointing_same_gradients():
+    model = build_model(MOE, seed=0)
+    rope = rope_tables(model.config, CTX)
+    ids = torch.randint(3, 64, (2, CTX), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, own = forward(model, ids, BATCH_INVARIANT_OPS, CTX, rope, routes=True)
+    grads, chosen = [], []
+    for ops in (BATCH_INVARIANT_OPS, dataclasses.replace(BATCH_INVARIANT_OPS, checkpoint=True)):
+        model.zero_grad()
+        out, routed = forward(model, ids, ops, CTX, rope, experts=(own + 1) % 4, routes=True)
+        out.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        chosen.append(routed)
+    assert torch.equal(chosen[0], chosen[1]) and len(grads[0]) == len(grads[1]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
