@@ -34,8 +34,8 @@ class StepBatch:
     mask: torch.Tensor  # [N, L-1] 1.0 where the next token is a response token
     rollout_logp: torch.Tensor  # [N, L-1] the engine's logprob of that token
     versions: torch.Tensor  # [N, L-1] policy version that sampled that token (-1 off the response)
-    # MoE engines that record: [N, L-1, layers, k] int16, the experts the engine's pass that sampled that token
-    # routed to (its input is the token at that position), -1 off the response; None otherwise
+    # MoE engines that record: [N, L-1, layers, k] int16, at position j the experts the engine routed token j to
+    # in the pass that sampled token j+1 (a response token), -1 off the response; None otherwise
     routed_experts: torch.Tensor | None = None
     gen_rounds: int = 1
     kept_groups: int = 0
