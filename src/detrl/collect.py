@@ -34,6 +34,9 @@ class StepBatch:
     mask: torch.Tensor  # [N, L-1] 1.0 where the next token is a response token
     rollout_logp: torch.Tensor  # [N, L-1] the engine's logprob of that token
     versions: torch.Tensor  # [N, L-1] policy version that sampled that token (-1 off the response)
+    # MoE engines that record: [N, L-1, layers, k] int16, at position j the experts the engine routed token j to
+    # in the pass that sampled token j+1 (a response token), -1 off the response; None otherwise
+    routed_experts: torch.Tensor | None = None
     gen_rounds: int = 1
     kept_groups: int = 0
     stats: dict[str, float] = field(default_factory=dict)  # partial-rollout metrics
@@ -256,4 +259,19 @@ def to_tensors(groups: list[Scored], ctx_len: int, version: int) -> StepBatch:
         versions[i, p - 1 : p - 1 + t] = torch.tensor(token_versions[i], dtype=torch.long)
     scores = torch.cat([g.shaped for g in groups])
     correct = torch.cat([g.correct for g in groups])
-    return StepBatch(results, scores, correct, group_ids, input_ids, mask, rollout_logp, versions)
+    return StepBatch(results, scores, correct, group_ids, input_ids, mask, rollout_logp, versions,
+                     routed_experts(results, ctx_len))
+
+
+def routed_experts(results: list[Result], ctx_len: int) -> torch.Tensor | None:
+    """The responses' recorded routing laid out as the mask: [N, L-1, layers, k] int16, -1 off the response
+    (None unless every result carries it)."""
+    if not results or any(r.routed_experts is None for r in results):
+        return None
+    out = torch.full((len(results), ctx_len - 1, *results[0].routed_experts.shape[1:]), -1, dtype=torch.int16)
+    for i, r in enumerate(results):
+        if len(r.routed_experts) != len(r.tokens):
+            raise ValueError(f"sample {r.uid}: {len(r.routed_experts)} routed-expert rows for {len(r.tokens)} tokens")
+        p = len(r.request.prompt_ids)
+        out[i, p - 1 : p - 1 + len(r.tokens)] = torch.from_numpy(r.routed_experts)
+    return out

@@ -109,6 +109,9 @@ class AlgoConfig:
     # the ratio is old (trainer) / behaviour (rollout): exactly 1 under determinism=on, so both are no-ops there
     rollout_correction: str = "none"
     rollout_corr: RolloutCorrParams = field(default_factory=RolloutCorrParams)
+    # MoE routing replay (R3): the trainer's forward uses the expert ids the rollout engine routed each response
+    # token's pass to (its own router still weights them); needs model=qwen3_moe and an engine that records
+    routing_replay: bool = False
 
 
 @dataclass
@@ -318,6 +321,11 @@ def validate(cfg: TrainConfig) -> None:
         _check(1 <= m.num_experts_per_tok <= m.num_experts, "model.num_experts_per_tok",
                m.num_experts_per_tok, f"must be in [1, model.num_experts={m.num_experts}]")
     _choice("algo.name", a.name, ALGO_NAMES)
+    if a.routing_replay:
+        _check(m.name == "qwen3_moe", "algo.routing_replay", a.routing_replay,
+               f"model={m.name} is dense, it has no expert routing to replay (use model=qwen3_moe)")
+        _check(r.backend == "embedded", "algo.routing_replay", a.routing_replay,
+               f"rollout={r.backend} does not record expert ids (use rollout=embedded)")
     _choice("algo.adv_estimator", a.adv_estimator, ("grpo",))
     _choice("algo.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES)
     _choice("algo.kl_loss_type", a.kl_loss_type, KL_TYPES)

@@ -31,6 +31,7 @@ from detrl.algos import (
 )
 from detrl.algos.core import masked_mean
 from detrl.algos.rollout_correction import rollout_correction
+from detrl.algos.routing import layer_agreement
 from detrl.collect import GroupSource, StepBatch, collect, collect_partial
 from detrl.config import ConfigError, TrainConfig
 from detrl.data import build_task, stop_token_ids, tokenizer_for
@@ -94,6 +95,8 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
     and current differ, e.g. keep-mode stale tokens).
     Under torchrun, `dp` (`detrl.distributed.DataParallel`) says which micro-batches this rank runs, gathers
     their rows / metrics and reduces the gradients; without it, every micro-batch runs here.
+    MoE with recorded routing: `mismatch/router_agreement` compares the old pass's own top-k ids with the engine's;
+    `algo.routing_replay` makes the old and gradient passes use the engine's ids on the response tokens.
     """
     a, temp, mb = cfg.algo, cfg.rollout.temperature, cfg.micro_batch_size
     dp = dp or distributed.DataParallel(model, ordered=True)
@@ -102,16 +105,25 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
     # --- 1. old (and reference) logprobs, before the first update
     old_trainer, ref_logp = torch.zeros_like(batch.mask), None
     ent = torch.zeros_like(batch.mask)
+    recorded = batch.routed_experts  # [N, L-1, layers, k] or None
+    agree = None if recorded is None else torch.zeros_like(batch.mask)  # per token: fraction of layers agreeing
+
+    def replayed(sl):  # the expert ids the trainer's passes must use (routing replay), or None
+        return recorded[sl].long() if a.routing_replay else None
+
     mine = [sl for _, sl in dp.micro_batches(0, n, mb)]
     with torch.no_grad(), distributed.unsharded(model, ref_model):
         if ref_model is not None:
             ref_logp = torch.zeros_like(batch.mask)
         for sl in mine:
             ids, mask = batch.input_ids[sl], batch.mask[sl]
-            old_trainer[sl], ent[sl] = sequence_logprobs(model, ids, mask, ops, ctx_len, rope, temp, entropy=True)
+            old_trainer[sl], ent[sl], own = sequence_logprobs(model, ids, mask, ops, ctx_len, rope, temp, entropy=True,
+                                                              experts=replayed(sl), routes=True)
+            if agree is not None:
+                agree[sl] = layer_agreement(own, recorded[sl])
             if ref_model is not None:
                 ref_logp[sl], _ = sequence_logprobs(ref_model, ids, mask, ops, ctx_len, rope, temp)
-    old_trainer, ent, ref_logp = dp.gather_rows([old_trainer, ent, ref_logp], mine)
+    old_trainer, ent, ref_logp, agree = dp.gather_rows([old_trainer, ent, ref_logp, agree], mine)
     old, train_mask = old_logprobs(cfg.rollout.partial.stale_tokens, old_trainer, batch.rollout_logp, fresh,
                                    batch.mask)
     # trainer/rollout mismatch correction (TIS / MIS), weights on the policy loss; ones under determinism=on
@@ -138,7 +150,7 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
                 if not mask.any():
                     continue
                 logp, ent_g = sequence_logprobs(model, batch.input_ids[sl], mask, ops, ctx_len, rope, temp,
-                                                entropy=bool(a.entropy_coeff))
+                                                entropy=bool(a.entropy_coeff), experts=replayed(sl))
                 tok_adv = adv[sl, None].expand_as(logp)  # [n, L-1]
                 pg, m = compute_policy_loss(logp, old[sl], tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high,
                                             a.clip_ratio_c)
@@ -191,6 +203,8 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
         "mismatch/max_prob_diff": top(pd),
         "mismatch/stale_logprob_abs_diff": mean(lag),  # stale tokens: policy lag + engine mismatch
         **{k: float(v) for k, v in corr_metrics.items()},
+        # fraction of fresh response (token, layer) slots where the trainer's top-k set is the engine's
+        **({} if agree is None else {"mismatch/router_agreement": mean(agree[f])}),
     }
 
 
@@ -279,6 +293,9 @@ def make_engine(cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingPa
         engine.update_weights(model.state_dict())  # the servers start from the policy
         return engine
     if det.device.type == "cuda":
+        if cfg.algo.routing_replay:
+            raise ConfigError(f"algo.routing_replay=True is not valid: the CUDA engine (device={det.device.type}) "
+                              "does not record expert ids (use device=cpu)")
         from detrl.rollout.cuda import CudaEngine
 
         return CudaEngine(model, det.ops, ctx_len, sampling, seed=cfg.seed, max_batch_size=r.max_batch_size,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from detrl.models.ops import Ops
+from detrl.models.ops import Ops, routing_weights
 
 
 @dataclass
@@ -137,18 +137,27 @@ def layer_pre(h, input_norm, qkv_w, qk_norm, cos, sin, ops: Ops, heads: int, hd:
 
 
 def layer_post(h, q, keys, values, mask, o_w, post_norm, gate_up, down, router, ops: Ops, top_k: int,
-               norm_topk_prob: bool, hd: int, eps: float):
-    """The second half: attention over the keys, the o gemm and residual, the post norm, the MLP and residual."""
+               norm_topk_prob: bool, hd: int, eps: float, forced: torch.Tensor | None = None):
+    """The second half: attention over the keys, the o gemm and residual, the post norm, the MLP and residual.
+
+    -> (h, ids): ids [B T, k] the experts the router chose (MoE; None when dense). forced [B T, k]: routing replay,
+    the experts each token uses (-1 rows: its own choice), weighted by this router as `route` weights them.
+    """
     b, t, _ = h.shape
     out = ops.attention(q, keys, values, mask, hd**-0.5)  # [B, Hq, T, D] (grouped-query: Hq = rep x Hkv)
     h = h + ops.linear(out.transpose(1, 2).reshape(b, t, -1), o_w)
     x = _rms_norm(h, post_norm, eps)
     if router is not None:  # Qwen3-MoE sparse block
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
-        top_w, top_i = ops.route(ops.linear(flat, router), top_k, norm_topk_prob)
-        return h + ops.moe(flat, top_w, top_i, gate_up, down, ops.linear, ops.silu).view_as(x)
+        logits = ops.linear(flat, router)  # [N, E]
+        top_w, top_i = ops.route(logits, top_k, norm_topk_prob)  # [N, k]
+        used = top_i
+        if forced is not None:
+            used = torch.where(forced >= 0, forced, top_i)
+            top_w = routing_weights(logits, used, norm_topk_prob)
+        return h + ops.moe(flat, top_w, used, gate_up, down, ops.linear, ops.silu).view_as(x), top_i
     gate, up = ops.linear(x, gate_up).chunk(2, dim=-1)
-    return h + ops.linear(ops.silu(gate) * up, down)
+    return h + ops.linear(ops.silu(gate) * up, down), None
 
 
 def _keys_values(k, v, slot, layer: int, cache: KVCache | None, ctx_len: int):
@@ -167,7 +176,8 @@ def _keys_values(k, v, slot, layer: int, cache: KVCache | None, ctx_len: int):
 
 def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KVCache | None = None,
             positions: torch.Tensor | None = None, last: torch.Tensor | None = None,
-            head: bool = True, stages=(layer_pre, layer_post)) -> torch.Tensor:
+            head: bool = True, stages=(layer_pre, layer_post), experts: torch.Tensor | None = None,
+            routes: bool = False):
     """tokens [B, T] -> logits [B, T, V] (or [B, V] at index `last` [B] of each row).
 
     `model`: a transformers Qwen3 model or its `fuse`d Weights. cache None: whole left-aligned sequences of
@@ -175,6 +185,9 @@ def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KV
     step at `positions` [B, 1]. head=False: the final normed hidden states [B, T, H] instead of logits.
     stages: (layer_pre, layer_post) or compiled versions of them (the CUDA engine's decode step); the
     cache write between them stays outside (a compiled in-place write into a graph input copies the cache).
+    MoE routing replay: experts [B, T, layers, k] the expert ids each token uses in each layer (-1: the router's
+    own choice). routes=True: return (out, ids), ids [B, T, layers, k] the experts the router itself chose
+    (before any replay; None for a dense model).
     """
     w = model if isinstance(model, Weights) else fuse(model, ops.dtype)
     c = w.config
@@ -196,16 +209,22 @@ def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KV
     def layer(h, lw, i):
         q, k, v = pre(h, lw.input_norm, lw.qkv, lw.qk_norm, *rot, ops, c.num_attention_heads, hd, eps)
         keys, values = _keys_values(k, v, slot, i, cache, ctx_len)
+        forced = None if experts is None else experts[:, :, i].reshape(b * t, -1)  # [B T, k]
         return post(h, q, keys, values, mask, lw.o, lw.post_norm, lw.gate_up, lw.down, lw.router, ops, top_k,
-                    norm_topk, hd, eps)
+                    norm_topk, hd, eps, forced)
 
     recompute = ops.checkpoint and cache is None and torch.is_grad_enabled()
+    chosen = []  # per layer [B T, k] (MoE)
     for i, lw in enumerate(w.layers):
-        h = checkpoint(layer, h, lw, i, use_reentrant=False) if recompute else layer(h, lw, i)
+        h, ids = checkpoint(layer, h, lw, i, use_reentrant=False) if recompute else layer(h, lw, i)
+        chosen.append(ids)
     if last is not None:
         h = h[torch.arange(b, device=dev), last]  # [B, H]
     h = _rms_norm(h, w.norm, eps)
-    return ops.linear(h, w.lm_head) if head else h  # [B, T, V] or [B, V] (or [B, (T,) H])
+    out = ops.linear(h, w.lm_head) if head else h  # [B, T, V] or [B, V] (or [B, (T,) H])
+    if not routes:
+        return out
+    return out, (None if chosen[0] is None else torch.stack(chosen, 1).view(b, t, len(chosen), -1))
 
 
 def log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

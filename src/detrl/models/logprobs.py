@@ -14,6 +14,7 @@ the unchunked [N, L, V] path's.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from detrl.algos.core import entropy_from_logp
@@ -52,12 +53,19 @@ def head_logprobs(rows: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, li
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, mask: torch.Tensor, ops, ctx_len: int, rope,
-                      temperature: float, entropy: bool = False, chunk: int | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      temperature: float, entropy: bool = False, chunk: int | None = None,
+                      experts: torch.Tensor | None = None, routes: bool = False):
     """Logprob of each next token where `mask` [N, L-1] is nonzero (0 elsewhere) -> [N, L-1], and its
-    distribution's entropy [N, L-1] when asked. input_ids [N, L], left-aligned, L = ctx_len."""
+    distribution's entropy [N, L-1] when asked. input_ids [N, L], left-aligned, L = ctx_len.
+
+    MoE routing replay: experts [N, L-1, layers, k] the expert ids position j uses (aligned with mask: the
+    routing of the pass that scores token j+1; -1: the router's own). routes=True adds a third value, the
+    router's own choice [N, L-1, layers, k] (None for a dense model)."""
     weights = model if isinstance(model, Weights) else fuse(model, ops.dtype)  # compute-dtype copies on GPUs
-    hidden = forward(weights, input_ids, ops, ctx_len, rope, head=False)[:, :-1]  # [N, L-1, H]
+    if experts is not None:  # the last position scores nothing: its own routing
+        experts = F.pad(experts, (0, 0, 0, 0, 0, 1), value=-1)  # [N, L, layers, k]
+    hidden, chosen = forward(weights, input_ids, ops, ctx_len, rope, head=False, experts=experts, routes=True)
+    hidden = hidden[:, :-1]  # [N, L-1, H]
     w = weights.lm_head
     idx = mask.reshape(-1).nonzero().squeeze(-1)  # [M] flat positions of the scored tokens
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)  # [M, H]
@@ -67,4 +75,5 @@ def sequence_logprobs(model, input_ids: torch.Tensor, mask: torch.Tensor, ops, c
     def place(x: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(mask.numel()).index_copy(0, idx, x).view(mask.shape)
 
-    return place(tok), (place(ent) if entropy else None)
+    out = place(tok), (place(ent) if entropy else None)
+    return (*out, None if chosen is None else chosen[:, :-1]) if routes else out

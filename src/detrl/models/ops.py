@@ -158,20 +158,30 @@ def cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 def route_topk(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The library's routing (fp32 softmax, torch.topk: ties broken however the kernel does)."""
     probs = torch.softmax(router_logits.float(), dim=-1)  # [N, E]
-    top_w, top_i = torch.topk(probs, top_k, dim=-1)  # [N, k]
-    if norm_topk_prob:
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-    return top_w.to(router_logits.dtype), top_i
+    top_i = torch.topk(probs, top_k, dim=-1).indices  # [N, k]
+    return _weights_at(probs, top_i, norm_topk_prob, router_logits.dtype), top_i
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing in fp32; a stable sort makes ties go to the lowest expert id. -> (weights, ids) [N, k]."""
     probs = torch.softmax(router_logits.float(), dim=-1)  # [N, E]
-    top_w, top_i = torch.sort(probs, dim=-1, descending=True, stable=True)
-    top_w, top_i = top_w[:, :top_k], top_i[:, :top_k]  # [N, k]
+    top_i = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [N, k]
+    return _weights_at(probs, top_i, norm_topk_prob, router_logits.dtype), top_i
+
+
+def routing_weights(router_logits: torch.Tensor, ids: torch.Tensor, norm_topk_prob: bool) -> torch.Tensor:
+    """The weights `route` gives experts `ids` [N, k] (MoE routing replay: ids chosen elsewhere, e.g. by the
+    rollout engine): the fp32 softmax over all E router logits, taken at ids, renormalised over the k when
+    norm_topk_prob, in the logits' dtype. For route's own ids: route's weights, bit for bit. -> [N, k]"""
+    return _weights_at(torch.softmax(router_logits.float(), dim=-1), ids, norm_topk_prob, router_logits.dtype)
+
+
+def _weights_at(probs: torch.Tensor, ids: torch.Tensor, norm_topk_prob: bool, dtype: torch.dtype) -> torch.Tensor:
+    """probs [N, E] at ids [N, k] (a gather copies the values sort / topk return), renormalised if asked."""
+    top_w = probs.gather(-1, ids)  # [N, k]
     if norm_topk_prob:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-    return top_w.to(router_logits.dtype), top_i
+    return top_w.to(dtype)
 
 
 def moe_dispatch(x, top_w, top_i, gate_up, down, linear, silu) -> torch.Tensor:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -33,6 +35,9 @@ class Result:
     tokens: list[int]  # tokens sampled in this call (after any prefix), the stop token included
     logprobs: list[float]  # log pi_rollout(token) after temperature, before top-p (SGLang's convention)
     finish_reason: str  # "stop" | "length" | "abort" (cut unfinished: continue it later)
+    # MoE: [T, layers, k] int16, row t the experts each layer routed the pass that sampled token t to (its input
+    # is the token before t); None for dense models and engines that do not record (SGLang, the CUDA engine)
+    routed_experts: np.ndarray | None = None
 
     @property
     def uid(self) -> tuple[int, int]:
@@ -40,15 +45,15 @@ class Result:
 
 
 def cut_results(requests: list[Request], tokens: list[list[int]], logprobs: list[list[float]], limit: list[int],
-                room: list[int], stop_token_ids: tuple[int, ...]) -> list[Result]:
+                room: list[int], stop_token_ids: tuple[int, ...], experts: np.ndarray | None = None) -> list[Result]:
     """An engine batch's sampled matrices [B, T] -> one Result per request: each row cut at its first stop token
     ("stop"), else at its token limit for this call: "length" when that is all the room it had, else "abort"
-    (a budgeted partial-rollout call; it continues later)."""
+    (a budgeted partial-rollout call; it continues later). experts [B, T, layers, k]: the routing, cut alike."""
     stop_set = set(stop_token_ids)
     out = []
     for i, r in enumerate(requests):
         row = tokens[i][: limit[i]]
         n = next((j + 1 for j, x in enumerate(row) if x in stop_set), len(row))
         reason = "stop" if n and row[n - 1] in stop_set else "length" if n >= room[i] else "abort"
-        out.append(Result(r, row[:n], logprobs[i][:n], reason))
+        out.append(Result(r, row[:n], logprobs[i][:n], reason, None if experts is None else experts[i, :n].copy()))
     return out

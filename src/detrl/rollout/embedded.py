@@ -71,10 +71,13 @@ class Sampler:
         stops = torch.tensor(p.stop_token_ids) if p.stop_token_ids else None
 
         cache = KVCache.empty(self.weights.config, b, self.ctx_len)
-        last = forward(self.weights, prompts, self.ops, self.ctx_len, self.rope, cache=cache, last=lens - 1)  # [B, V]
+        last, ids = forward(self.weights, prompts, self.ops, self.ctx_len, self.rope, cache=cache, last=lens - 1,
+                            routes=True)  # [B, V]; MoE: [B, P, layers, k] (dense: None)
+        route = None if ids is None else ids[torch.arange(b), lens - 1]  # [B, layers, k]: the pass sampling next
         steps = max(limit)
         tokens = torch.empty(b, max(steps, 1), dtype=torch.long)  # [B, T]
         logps = torch.empty(b, max(steps, 1))
+        experts = None if route is None else torch.empty(b, max(steps, 1), *route.shape[1:], dtype=torch.int16)
         stopped = torch.zeros(b, dtype=torch.bool)  # rows that sampled a stop token
         finished_by = torch.tensor(limit)  # [B] row i is finished after step t once t + 1 >= limit[i]
         sampled = 0  # steps run
@@ -89,6 +92,8 @@ class Sampler:
             tok = sample(logp, noise[:, t % chunk], p.top_p)  # [B]
             tokens[:, t] = tok
             logps[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
+            if experts is not None:
+                experts[:, t] = route
             sampled = t + 1
             if sampled == steps:
                 break
@@ -96,10 +101,12 @@ class Sampler:
                 stopped |= torch.isin(tok, stops)
                 if bool((stopped | (finished_by <= sampled)).all()):
                     break
-            last = forward(self.weights, tok[:, None], self.ops, self.ctx_len, self.rope, cache=cache,
-                           positions=(lens + t)[:, None])[:, 0]
+            last, ids = forward(self.weights, tok[:, None], self.ops, self.ctx_len, self.rope, cache=cache,
+                                positions=(lens + t)[:, None], routes=True)
+            last, route = last[:, 0], None if ids is None else ids[:, 0]
         tok_mat, lp_mat = tokens[:, :sampled].tolist(), logps[:, :sampled].tolist()  # [B, T]: one copy out
-        return cut_results(requests, tok_mat, lp_mat, limit, room, p.stop_token_ids)
+        return cut_results(requests, tok_mat, lp_mat, limit, room, p.stop_token_ids,
+                           None if experts is None else experts[:, :sampled].numpy())
 
     def _noise(self, seeds: torch.Tensor | None, positions: torch.Tensor, steps: int) -> torch.Tensor:
         """Gumbel noise [B, steps, V] for the tokens at `positions` [B] onward. Seeded: a hash of (seed,
@@ -134,7 +141,7 @@ def _serve(worker: int, sampler: Sampler, tasks, inbox, outbox, max_batch_size: 
     def run(call, items) -> None:
         try:
             results = sampler.run_batch([r for _, r in items])
-            outbox.put((call, worker, "batch", [(i, r.tokens, r.logprobs, r.finish_reason)
+            outbox.put((call, worker, "batch", [(i, r.tokens, r.logprobs, r.finish_reason, r.routed_experts)
                                                 for (i, _), r in zip(items, results)]))
         except Exception:  # noqa: BLE001 - the engine raises it
             outbox.put((call, worker, "error", traceback.format_exc()))
@@ -177,7 +184,7 @@ def _serve(worker: int, sampler: Sampler, tasks, inbox, outbox, max_batch_size: 
             items = items + nxt[3]
         start(call, stream_seed, params)
         if sampler.abort.is_set():  # cut: queued requests come back unstarted
-            outbox.put((call, worker, "unstarted", [(i, [], [], "abort") for i, _ in items]))
+            outbox.put((call, worker, "unstarted", [(i, [], [], "abort", None) for i, _ in items]))
         else:
             run(call, items)
         if stop:
@@ -274,7 +281,7 @@ class EmbeddedEngine:
         done: list[Result] = []
         while len(done) < len(requests):
             worker, kind, payload = self._receive()
-            results = [Result(requests[i], tokens, logps, reason) for i, tokens, logps, reason in payload]
+            results = [Result(requests[i], *out) for i, *out in payload]
             if kind == "batch":
                 self.batch_log.append((worker, tuple(r.uid for r in results)))
             done += results  # completion order

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from detrl.rollout.base import Request, Result
 
 
@@ -20,6 +22,7 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # policy version (updates done) that produced each token
     finish: str | None = None  # "stop" | "length"; None while unfinished
+    routed_experts: np.ndarray | None = None  # MoE [len(tokens), layers, k]: each call's rows, concatenated
 
     def continuation(self, budget: int | None) -> Request:
         r = self.request
@@ -29,14 +32,17 @@ class Sample:
         self.tokens += result.tokens
         self.logprobs += result.logprobs
         self.versions += [version] * len(result.tokens)
+        if result.routed_experts is not None:
+            prev = self.routed_experts
+            self.routed_experts = result.routed_experts if prev is None else np.concatenate([prev, result.routed_experts])
         if result.finish_reason != "abort":
             self.finish = result.finish_reason
 
     def restart(self) -> None:
-        self.tokens, self.logprobs, self.versions, self.finish = [], [], [], None
+        self.tokens, self.logprobs, self.versions, self.finish, self.routed_experts = [], [], [], None, None
 
     def as_result(self) -> Result:
-        return Result(self.request, list(self.tokens), list(self.logprobs), self.finish or "abort")
+        return Result(self.request, list(self.tokens), list(self.logprobs), self.finish or "abort", self.routed_experts)
 
 
 @dataclass

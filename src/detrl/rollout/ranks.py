@@ -48,7 +48,7 @@ class RankEngine:
                 groups.append([])
             groups[-1].append(i)
         owners = self.det.rank_split(len(groups), self.world)
-        done: list[tuple[float, int, int, tuple]] = []  # (time, rank, position, (index, tokens, logps, reason))
+        done: list[tuple[float, int, int, tuple]] = []  # (time, rank, position, (index, Result fields...))
         if owners is not None:
             mine = [i for g, o in zip(groups, owners) if o == self.rank for i in g]
             if mine:
@@ -61,11 +61,12 @@ class RankEngine:
         gathered = sorted(x for part in self.dist.all_gather_object(done) for x in part)
         if owners is not None:  # submission order
             gathered.sort(key=lambda x: x[3][0])
-        return [Result(requests[i], tokens, logps, reason) for *_, (i, tokens, logps, reason) in gathered]
+        return [Result(requests[i], *out) for *_, (i, *out) in gathered]
 
     def _run(self, requests, idx: list[int], done: list) -> None:
         results = self.engine.generate([requests[i] for i in idx])
         t = time.time()
         pos = {id(requests[i]): i for i in idx}
-        done += [(t, self.rank, len(done) + j, (pos[id(r.request)], r.tokens, r.logprobs, r.finish_reason))
+        done += [(t, self.rank, len(done) + j,
+                  (pos[id(r.request)], r.tokens, r.logprobs, r.finish_reason, r.routed_experts))
                  for j, r in enumerate(results)]
