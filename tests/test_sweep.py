@@ -126,16 +126,16 @@ def test_source_ablation_preset_renders_its_section(tmp_path):
     out = tmp_path / "ablation"
     proc = subprocess.run(
         [sys.executable, "train.py", "-m", "experiment=source_ablation", "model=qwen3", "steps=2", "train_batch_size=4",
-         "rollout.n=4", "warmstart.steps=40", "ablation=all_on,no_sampling,no_routing,all_off", "repeat=0,1",
+         "rollout.n=4", "warmstart.steps=40", "ablation=all_on,no_sampling,no_routing", "repeat=0,1",
          f"hydra.sweep.dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     sweep = load_sweep(out)
     t = ablation_table(sweep).set_index("ablation")
-    assert sorted(t.index) == ["all_off", "all_on", "no_routing", "no_sampling"] and (t.repeats == 2).all()
+    assert sorted(t.index) == ["all_on", "no_routing", "no_sampling"] and (t.repeats == 2).all()
     assert t.loc["all_on", "reproducible"] and t.loc["all_on", "reward_spread"] == 0
     assert t.loc["no_sampling", "differs_from_all_on"] == "step 1, tokens"
     assert t.loc["no_routing", "differs_from_all_on"] == "no: bitwise equal"
-    assert t.loc["no_sampling", "kind"] == "leave-one-out" and t.loc["all_off", "kind"] == "reference"
+    assert t.loc["no_sampling", "kind"] == "leave-one-out" and t.loc["all_on", "kind"] == "reference"
     report = render(out, tmp_path / "report")
     summary = (report / "summary.md").read_text()
     assert "## Which source causes divergence" in summary and (report / "ablation.png").is_file()
