@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from detrl.models.ops import BATCH_INVARIANT_OPS, CUDA_DEFAULT_OPS, DEFAULT_OPS, Ops
+from detrl.models.ops import BATCH_INVARIANT_OPS, CUDA_DEFAULT_OPS, CUDA_INVARIANT_OPS, DEFAULT_OPS, Ops
 from detrl.rollout.base import Request, Result
 
 
@@ -54,11 +54,13 @@ class Determinism:
 
     @property
     def ops(self) -> Ops:
-        """The op set for this mode and device (CPU, float32, no recomputation: the CPU sets themselves)."""
+        """The op set for this mode and device (CPU, float32, no recomputation: the CPU sets themselves);
+        on CUDA with determinism on, the Triton batch-invariant kernels (detrl.models.triton_ops)."""
+        cuda = self.device.type == "cuda"
         if self.enabled:
-            base = BATCH_INVARIANT_OPS
+            base = CUDA_INVARIANT_OPS if cuda else BATCH_INVARIANT_OPS
         else:
-            base = CUDA_DEFAULT_OPS if self.device.type == "cuda" else DEFAULT_OPS
+            base = CUDA_DEFAULT_OPS if cuda else DEFAULT_OPS
         if self.dtype == torch.float32 and not self.activation_checkpointing:
             return base
         return dataclasses.replace(base, dtype=self.dtype, checkpoint=self.activation_checkpointing)
