@@ -295,9 +295,9 @@ def moe(x, top_w, top_i, gate_up, down, linear, silu) -> torch.Tensor:
     n, k = top_i.shape
     flat = top_i.reshape(-1)  # [N k]
     order = torch.argsort(flat, stable=True)  # [N k]
-    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    ends = torch.searchsorted(flat[order], torch.arange(gate_up.shape[0], device=x.device), right=True)  # [E]
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))  # rows per expert (no scatter: see forward.write_slots)
+    offs = ends.to(torch.int32)
     tiles = tile_map(counts, n * k)
     xs = x[order // k]  # [N k, H]
     gate, up = _GroupedLinear.apply(xs, gate_up, *tiles, offs).chunk(2, dim=-1)  # [N k, I] each
