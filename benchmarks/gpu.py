@@ -85,8 +85,8 @@ def timed(fn, repeats: int = 1) -> float:
 def rollout_section(name: str, batches: list[int], hf_tokens: int, determinism: str = "off") -> None:
     """hf_tokens 0: the engine alone. determinism on: the batch-invariant op set, fixed routing and per-sample
     seeds (as `train()` runs the engine under on); off: torch's kernels, dynamic routing, unseeded."""
-    from detrl.models.forward import rope_tables  # noqa: F401
     from detrl import determinism as det_mod
+    from detrl.models.forward import rope_tables  # noqa: F401
     from detrl.rollout import SamplingParams
     from detrl.rollout.base import Request
     from detrl.rollout.cuda import CudaEngine

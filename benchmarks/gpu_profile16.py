@@ -67,8 +67,8 @@ def main() -> None:
         mask = torch.zeros(args.batch, ctx - 1, device="cuda")
         mask[:, len(prompts(1)[0]) - 1 :] = 1
 
-        def fwd_bwd():
-            tok, ent = sequence_logprobs(model, ids, mask, det.ops, ctx, rope, 1.0, entropy=True)
+        def fwd_bwd(ids=ids, mask=mask, ops=det.ops, rope=rope):
+            tok, ent = sequence_logprobs(model, ids, mask, ops, ctx, rope, 1.0, entropy=True)
             (tok.sum() + 0.01 * ent.sum()).backward()
             model.zero_grad(set_to_none=True)
 

@@ -79,7 +79,7 @@ def gemms():
             if n > 100000 and m > 256:
                 continue
             out(f"gemm {name} M={m}: ms triton / cublas",
-                (round(ms(lambda: T.gemm(a, w)), 4), round(ms(lambda: F.linear(a, w)), 4)))
+                (round(ms(lambda a=a, w=w: T.gemm(a, w)), 4), round(ms(lambda a=a, w=w: F.linear(a, w)), 4)))
 
 
 def norms():
@@ -135,10 +135,12 @@ def attention():
         big_k, big_v = (torch.randn(64, hkv, length, d, device="cuda", dtype=BF) for _ in range(2))
         dq = big_q[:, :, :1]
         m1 = torch.arange(length, device="cuda")[None, None, None, :] <= torch.full((64, 1, 1, 1), 200, device="cuda")
+        args = (big_q, big_k, big_v)
         out(f"attn {name} B=64 train ms triton / sdpa flash", (
-            round(ms(lambda: T.attention(big_q, big_k, big_v, mask, d**-0.5)), 4),
-            round(ms(lambda: F.scaled_dot_product_attention(big_q, big_k, big_v, is_causal=True, enable_gqa=True)), 4)))
-        out(f"attn {name} B=64 decode ms triton", round(ms(lambda: T.attention(dq, big_k, big_v, m1, d**-0.5)), 4))
+            round(ms(lambda a=args, m=mask, s=d**-0.5: T.attention(*a, m, s)), 4),
+            round(ms(lambda a=args: F.scaled_dot_product_attention(*a, is_causal=True, enable_gqa=True)), 4)))
+        out(f"attn {name} B=64 decode ms triton",
+            round(ms(lambda a=(dq, big_k, big_v, m1), s=d**-0.5: T.attention(*a, s)), 4))
 
 
 def moe():

@@ -18,8 +18,14 @@ from detrl.models import ops as ops_mod
 from detrl.models.build import build_model
 from detrl.models.forward import forward, fuse, rope_tables, token_logprobs
 from detrl.models.logprobs import sequence_logprobs
-from detrl.models.ops import (BATCH_INVARIANT_OPS, CUDA_DEFAULT_OPS, CUDA_INVARIANT_OPS, DEFAULT_OPS, cuda_attention,
-                              grouped_moe)
+from detrl.models.ops import (
+    BATCH_INVARIANT_OPS,
+    CUDA_DEFAULT_OPS,
+    CUDA_INVARIANT_OPS,
+    DEFAULT_OPS,
+    cuda_attention,
+    grouped_moe,
+)
 from detrl.rollout.base import Request, SamplingParams
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -67,6 +73,25 @@ def test_grouped_tile_map():
             assert starts[ei] <= a and b <= starts[ei] + counts[ei]
             seen[a:b] += 1
     assert torch.equal(seen, torch.ones_like(seen))
+
+
+def test_write_slots_scatters_and_restores_the_deterministic_mode():
+    """The decode's cache/token writes: scatter_'s result, and torch's deterministic mode (and its warn_only) as
+    they were, whether the write succeeds or raises."""
+    from detrl.models.forward import write_slots
+
+    dst, src = torch.zeros(2, 3, 5), torch.randn(2, 3, 1)
+    idx = torch.tensor([1, 4])[:, None, None].expand(2, 3, 1)
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        out = write_slots(dst.clone(), 2, idx, src)
+        assert torch.equal(out, dst.clone().scatter_(2, idx, src))
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        with pytest.raises(RuntimeError):
+            write_slots(dst, 2, idx + 10, src)  # out of range
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_preflight_names_the_varying_gemm_shape():
