@@ -1,6 +1,6 @@
 """detrl on one GPU: the CUDA engine vs transformers `generate`, the trainer step, and one GRPO step vs TRL.
 
-    python benchmarks/gpu.py [--out DIR] [--sections rollout,grpo,trl] [--hf-moe-tokens 32]
+    python benchmarks/gpu.py [--out DIR] [--sections rollout,grpo,trl,engine,onoff,grpo_moe] [--hf-moe-tokens 32]
 
 Models: Qwen3-0.6B's shape (conf/model/qwen3_0p6b.yaml) and Qwen3-30B-A3B's layer shape with 6 layers
 (conf/model/qwen3_moe_a3b_6l.yaml), random init, bf16 compute (float32 master weights in the trainer).
@@ -9,6 +9,9 @@ Models: Qwen3-0.6B's shape (conf/model/qwen3_0p6b.yaml) and Qwen3-30B-A3B's laye
   `model.generate(do_sample=True, top_k=0, top_p=1.0)` on a bf16 copy, same process, same prompts.
 - grpo: detrl's `train()` on 8 prompts x 8 samples x 256 new tokens (GRPO, no reference model, one optimizer
   step per batch, determinism off); per-step times from its metrics (rollout, update, params fingerprint).
+- onoff (issue 16): determinism on vs off side by side, like with like: the engine (on: the batch-invariant
+  Triton op set, fixed routing, per-sample seeds, CUDA graphs; off: torch's kernels compiled, dynamic routing,
+  unseeded) on both shapes, and `train()`'s GRPO step on the 0.6B shape under each mode.
 - trl: TRL 1.16 GRPOTrainer on the same work (use_vllm=False, bf16, no gradient checkpointing, beta 0).
 Writes results.json and table.md into --out and prints the table last.
 """
@@ -79,23 +82,25 @@ def timed(fn, repeats: int = 1) -> float:
     return statistics.median(ts)
 
 
-def rollout_section(name: str, batches: list[int], hf_tokens: int) -> None:
-    """hf_tokens 0: the engine alone."""
+def rollout_section(name: str, batches: list[int], hf_tokens: int, determinism: str = "off") -> None:
+    """hf_tokens 0: the engine alone. determinism on: the batch-invariant op set, fixed routing and per-sample
+    seeds (as `train()` runs the engine under on); off: torch's kernels, dynamic routing, unseeded."""
+    from detrl import determinism as det_mod
     from detrl.models.forward import rope_tables  # noqa: F401
-    from detrl.models.ops import CUDA_DEFAULT_OPS
     from detrl.rollout import SamplingParams
     from detrl.rollout.base import Request
     from detrl.rollout.cuda import CudaEngine
 
     model = random_model(name)
     ctx = -(-(len(prompts(1)[0]) + NEW) // 8) * 8
-    ops = dataclasses.replace(CUDA_DEFAULT_OPS, dtype=torch.bfloat16)
-    engine = CudaEngine(model, ops, ctx, SamplingParams(1.0, 1.0, NEW, ()), seed=0, max_batch_size=max(batches),
-                        fixed_routing=False)
+    det = det_mod.setup(determinism == "on", 0, "cuda", torch.bfloat16)
+    engine = CudaEngine(model, det.ops, ctx, SamplingParams(1.0, 1.0, NEW, ()), seed=0, max_batch_size=max(batches),
+                        fixed_routing=det.fixed_routing)
+    tag = "" if determinism == "off" else "/on"
     hf = model.to(torch.bfloat16)  # the engine holds its own bf16 copy; generate runs on the bf16 model
     del model
     for b in batches:
-        reqs = [Request(i // 8, i % 8, tuple(p)) for i, p in enumerate(prompts(b))]
+        reqs = [Request(i // 8, i % 8, tuple(p), seed=det.sampling_seed(1, i // 8, i % 8)) for i, p in enumerate(prompts(b))]
         t0 = time.perf_counter()
         first = engine.generate(reqs)  # captures this bucket's graph
         capture_s = time.perf_counter() - t0
@@ -103,9 +108,9 @@ def rollout_section(name: str, batches: list[int], hf_tokens: int) -> None:
         torch.cuda.reset_peak_memory_stats()
         eng_s = timed(lambda reqs=reqs: engine.generate(reqs), repeats=3)
         eng_mem = torch.cuda.max_memory_allocated() / 2**30
-        RESULTS[f"engine/{name}/b{b}"] = dict(engine_s=eng_s, engine_tok_s=b * NEW / eng_s,
+        RESULTS[f"engine/{name}/b{b}{tag}"] = dict(engine_s=eng_s, engine_tok_s=b * NEW / eng_s,
                                               engine_first_call_s=capture_s, engine_peak_gib=eng_mem)
-        print(f"engine {name} b={b}: {b * NEW / eng_s:,.0f} tok/s ({eng_s:.3f} s; first call {capture_s:.2f} s), "
+        print(f"engine {name} b={b} determinism={determinism}: {b * NEW / eng_s:,.0f} tok/s ({eng_s:.3f} s; first call {capture_s:.2f} s), "
               f"peak {eng_mem:.1f} GiB", flush=True)
         if not hf_tokens:
             continue
@@ -233,6 +238,20 @@ def table() -> str:
             lines.append(f"| detrl {name} determinism={det} | {v['step_s']:.3f} | {v['rollout_s']:.3f} | "
                          f"{v['update_and_sync_s']:.3f} | {v['params_fingerprint_s']:.3f} | "
                          f"{v['step_without_fingerprint_s']:.3f} | {vs} | {v['peak_gib']:.1f} |")
+    onoff = [(k, v, RESULTS[k + "/on"]) for k, v in RESULTS.items() if k.startswith("engine/") and k + "/on" in RESULTS]
+    if onoff:
+        lines += ["", "| engine decode (256 new tokens/seq) | batch | off tok/s | on tok/s | off/on time ratio |",
+                  "|---|---|---|---|---|"]
+        for k, off, on in onoff:
+            _, name, b = k.split("/")
+            lines.append(f"| {name} | {b[1:]} | {off['engine_tok_s']:,.0f} | {on['engine_tok_s']:,.0f} | "
+                         f"{off['engine_tok_s'] / on['engine_tok_s']:.2f}x |")
+    for name in (DENSE, MOE):
+        on, off = RESULTS.get(f"grpo/{name}/on"), RESULTS.get(f"grpo/{name}/off")
+        if on and off:
+            lines.append(f"\nGRPO step {name}: on/off = {on['step_s'] / off['step_s']:.2f}x (rollout "
+                         f"{on['rollout_s'] / off['rollout_s']:.2f}x, step w/o fingerprint "
+                         f"{on['step_without_fingerprint_s'] / off['step_without_fingerprint_s']:.2f}x)")
     for k, v in RESULTS.items():
         if k.startswith("trl/"):
             lines.append(f"| TRL {v['version']} GRPOTrainer {k.split('/')[1]} | {v['step_s']:.3f} | - | - | - | - | "
@@ -261,6 +280,11 @@ def main() -> None:
                                                                                           args.hf_moe_tokens)]
     if "engine" in sections:
         jobs += [lambda: rollout_section(DENSE, [64, 256], 0), lambda: rollout_section(MOE, [64, 256], 0)]
+    if "onoff" in sections:  # determinism on vs off, like with like: engines, then GRPO steps
+        jobs += [lambda: rollout_section(DENSE, [64, 256], 0, "off"), lambda: rollout_section(DENSE, [64, 256], 0, "on"),
+                 lambda: rollout_section(MOE, [64], 0, "off"), lambda: rollout_section(MOE, [64], 0, "on"),
+                 lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
+                 lambda: grpo_section(DENSE, args.grpo_steps, out, "on")]
     if "grpo_moe" in sections:
         jobs += [lambda: grpo_section(MOE, 3, out)]
     for job in jobs:

@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from detrl.config import ConfigError, ModelConfig
 from detrl.device import resolve_device, resolve_dtype
@@ -17,7 +18,14 @@ from detrl.models import ops as ops_mod
 from detrl.models.build import build_model
 from detrl.models.forward import forward, fuse, rope_tables, token_logprobs
 from detrl.models.logprobs import sequence_logprobs
-from detrl.models.ops import BATCH_INVARIANT_OPS, CUDA_DEFAULT_OPS, DEFAULT_OPS, cuda_attention, grouped_moe
+from detrl.models.ops import (
+    BATCH_INVARIANT_OPS,
+    CUDA_DEFAULT_OPS,
+    CUDA_INVARIANT_OPS,
+    DEFAULT_OPS,
+    cuda_attention,
+    grouped_moe,
+)
 from detrl.rollout.base import Request, SamplingParams
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -44,6 +52,59 @@ def test_cpu_default_ops_are_the_cpu_sets():
     torch.use_deterministic_algorithms(False)
     gpu = det_mod.Determinism(det_mod.preset("off"), 0, torch.device("cuda"), torch.bfloat16)
     assert gpu.ops.moe is grouped_moe and gpu.ops.dtype == torch.bfloat16
+    on = det_mod.Determinism(det_mod.preset("on"), 0, torch.device("cuda"), torch.bfloat16)
+    assert on.ops == dataclasses.replace(CUDA_INVARIANT_OPS, dtype=torch.bfloat16)
+    assert det_mod.Determinism(det_mod.preset("on"), 0).ops is BATCH_INVARIANT_OPS
+
+
+def test_grouped_tile_map():
+    """The grouped gemm's device-side tiles: every row of every expert in exactly one tile of <= BLOCK_M rows of
+    that expert, unused tiles empty (the map has static size rows / BLOCK_M + E)."""
+    triton_ops = pytest.importorskip("detrl.models.triton_ops")
+    bm = triton_ops.BLOCK_M
+    counts = torch.tensor([0, bm + 6, 3, 0, bm, 1, 2 * bm + 1, 0])
+    e, lo, hi = triton_ops.tile_map(counts, int(counts.sum()))
+    assert e.shape[0] == -(-int(counts.sum()) // bm) + len(counts)
+    starts = torch.cumsum(counts, 0) - counts
+    seen = torch.zeros(int(counts.sum()), dtype=torch.long)
+    for ei, a, b in zip(e.tolist(), lo.tolist(), hi.tolist()):
+        assert b - a <= bm
+        if b > a:
+            assert starts[ei] <= a and b <= starts[ei] + counts[ei]
+            seen[a:b] += 1
+    assert torch.equal(seen, torch.ones_like(seen))
+
+
+def test_write_slots_scatters_and_restores_the_deterministic_mode():
+    """The decode's cache/token writes: scatter_'s result, and torch's deterministic mode (and its warn_only) as
+    they were, whether the write succeeds or raises."""
+    from detrl.models.forward import write_slots
+
+    dst, src = torch.zeros(2, 3, 5), torch.randn(2, 3, 1)
+    idx = torch.tensor([1, 4])[:, None, None].expand(2, 3, 1)
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        out = write_slots(dst.clone(), 2, idx, src)
+        assert torch.equal(out, dst.clone().scatter_(2, idx, src))
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        with pytest.raises(RuntimeError):
+            write_slots(dst, 2, idx + 10, src)  # out of range
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_preflight_names_the_varying_gemm_shape():
+    """A gemm whose rows depend on the call's row count is refused by the per-shape check, naming op and shape."""
+    from detrl.models import preflight
+
+    model = build_model(ModelConfig(init="random"), seed=0)
+    varying = dataclasses.replace(BATCH_INVARIANT_OPS, name="varying",
+                                  linear=lambda x, w: F.linear(x, w) + 1e-3 * (x.numel() // x.shape[-1] > 20))
+    found = preflight.check_rows(fuse(model), varying)
+    c = model.config
+    assert found and found[0].startswith(f"linear q/k/v (K={c.hidden_size}, N={(c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim})")
+    assert not preflight.check_rows(fuse(model), BATCH_INVARIANT_OPS)
 
 
 def test_row_invariance_check_is_per_device():
@@ -209,4 +270,37 @@ def test_gpu_preflight():
     model = build_model(ModelConfig(init="random", vocab_size=512), seed=0).cuda()
     w, rope = fuse(model, torch.bfloat16), rope_tables(model.config, 32, "cuda", torch.bfloat16)
     preflight.require(w, BATCH_INVARIANT_OPS, 32, rope)
-    assert preflight.negative_control(w, CUDA_DEFAULT_OPS, 32, rope)
+    assert preflight.negative_control(w, dataclasses.replace(CUDA_DEFAULT_OPS, dtype=torch.bfloat16), 32, rope)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [ModelConfig(), MOE], ids=["dense", "moe"])
+def test_gpu_invariant_ops_pass_preflight_and_engine_equals_trainer(cfg):
+    """The Triton op set on the GPU in bf16: the preflight passes (gemm shapes over row counts, rows, phases);
+    the CUDA engine with CUDA graphs gives the eager engine's tokens and logprobs, bit for bit, and its logprobs
+    equal the trainer's (sequence_logprobs) exactly."""
+    from detrl.models import preflight
+    from detrl.rollout.cuda import CudaEngine
+
+    model = build_model(dataclasses.replace(cfg, init="random", vocab_size=512), seed=0).cuda()
+    ops = dataclasses.replace(CUDA_INVARIANT_OPS, dtype=torch.bfloat16)
+    rope = rope_tables(model.config, 32, "cuda", torch.bfloat16)
+    preflight.require(fuse(model, torch.bfloat16), ops, 32, rope)
+    params = SamplingParams(1.0, 1.0, 12, ())
+    reqs = _requests(20, seeded=True)
+    outs = [CudaEngine(model, ops, 32, params, seed=0, max_batch_size=m, graphs=g).generate(reqs)
+            for g, m in ((False, 32), (True, 32), (True, 8))]
+    assert [(r.tokens, r.logprobs) for r in outs[0]] == [(r.tokens, r.logprobs) for r in outs[1]] \
+        == [(r.tokens, r.logprobs) for r in outs[2]]
+    ids = torch.zeros(len(reqs), 32, dtype=torch.long)
+    mask = torch.zeros(len(reqs), 31)
+    for i, (q, r) in enumerate(zip(reqs, outs[1])):
+        seq = list(q.prompt_ids) + r.tokens
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, len(q.prompt_ids) - 1 : len(seq) - 1] = 1
+    with torch.no_grad():
+        tok, _ = sequence_logprobs(model, ids.cuda(), mask.cuda(), ops, 32, rope, 1.0)
+    trainer = [tok[i, len(q.prompt_ids) - 1 : len(q.prompt_ids) - 1 + len(r.tokens)].tolist()
+               for i, (q, r) in enumerate(zip(reqs, outs[1]))]
+    assert trainer == [r.logprobs for r in outs[1]]

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from detrl.models.ops import BATCH_INVARIANT_OPS, CUDA_DEFAULT_OPS, DEFAULT_OPS, Ops, route, route_topk
+from detrl.models.ops import (BATCH_INVARIANT_OPS, CUDA_DEFAULT_OPS, CUDA_INVARIANT_OPS, DEFAULT_OPS, Ops, route,
+                             route_topk)
 from detrl.rollout.base import Request, Result
 
 # source -> (on value, off value)
@@ -145,11 +146,12 @@ class Determinism:
     @property
     def ops(self) -> Ops:
         """The op set for these kernels, MoE routing and device (CPU, float32, no recomputation: the sets
-        themselves)."""
+        themselves); on CUDA the batch-invariant kernels are Triton's (detrl.models.triton_ops)."""
+        cuda = self.device.type == "cuda"
         if self.invariant_kernels:
-            base = BATCH_INVARIANT_OPS
+            base = CUDA_INVARIANT_OPS if cuda else BATCH_INVARIANT_OPS
         else:
-            base = CUDA_DEFAULT_OPS if self.device.type == "cuda" else DEFAULT_OPS
+            base = CUDA_DEFAULT_OPS if cuda else DEFAULT_OPS
         changes = {}
         routing = route if self._on("moe_routing") else route_topk
         if base.route is not routing:

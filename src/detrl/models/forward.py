@@ -117,12 +117,6 @@ def rope_tables(config, ctx_len: int, device: torch.device | str = "cpu",
     return cos.to(device, dtype), sin.to(device, dtype)
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3RMSNorm: statistics in float32, normalised x back in x's dtype, times w."""
-    xf = x.float()  # float32 input: the same tensor (no copy, the same bits as before)
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, bit for bit, with rotate_half as a roll and its sign folded into sin."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
@@ -131,8 +125,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
 def layer_pre(h, input_norm, qkv_w, qk_norm, cos, sin, ops: Ops, heads: int, hd: int, eps: float):
     """The first half of a layer: input norm, the q/k/v gemm, q/k norms, rope. -> q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
     b, t, _ = h.shape
-    qkv = ops.linear(_rms_norm(h, input_norm, eps), qkv_w).view(b, t, -1, hd)  # [B, T, Hq + 2 Hkv, D]
-    qk = _rope(_rms_norm(qkv[:, :, : qk_norm.shape[0]], qk_norm, eps), cos, sin).transpose(1, 2)  # [B, Hq+Hkv, T, D]
+    qkv = ops.linear(ops.norm(h, input_norm, eps), qkv_w).view(b, t, -1, hd)  # [B, T, Hq + 2 Hkv, D]
+    qk = _rope(ops.norm(qkv[:, :, : qk_norm.shape[0]], qk_norm, eps), cos, sin).transpose(1, 2)  # [B, Hq+Hkv, T, D]
     return qk[:, :heads], qk[:, heads:], qkv[:, :, qk_norm.shape[0] :].transpose(1, 2)
 
 
@@ -146,7 +140,7 @@ def layer_post(h, q, keys, values, mask, o_w, post_norm, gate_up, down, router, 
     b, t, _ = h.shape
     out = ops.attention(q, keys, values, mask, hd**-0.5)  # [B, Hq, T, D] (grouped-query: Hq = rep x Hkv)
     h = h + ops.linear(out.transpose(1, 2).reshape(b, t, -1), o_w)
-    x = _rms_norm(h, post_norm, eps)
+    x = ops.norm(h, post_norm, eps)
     if router is not None:  # Qwen3-MoE sparse block
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         logits = ops.linear(flat, router)  # [N, E]
@@ -160,6 +154,20 @@ def layer_post(h, q, keys, values, mask, o_w, post_norm, gate_up, down, router, 
     return h + ops.linear(ops.silu(gate) * up, down), None
 
 
+def write_slots(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst.scatter_(dim, index, src) where no two entries of index name the same slot: torch's plain scatter is
+    then deterministic, so it runs outside torch's deterministic mode, whose sort-based CUDA scatter (and its
+    index checks) took 10 ms of a 16 ms decode step on an H200 (issue 16). The mode is restored after."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return dst.scatter_(dim, index, src)
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        return dst.scatter_(dim, index, src)
+    finally:
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+
+
 def _keys_values(k, v, slot, layer: int, cache: KVCache | None, ctx_len: int):
     """The keys and values a layer attends to: the sequence's own (training), or the cache after writing k, v."""
     t = k.shape[2]
@@ -167,8 +175,8 @@ def _keys_values(k, v, slot, layer: int, cache: KVCache | None, ctx_len: int):
         if t != ctx_len:
             raise ValueError(f"sequence length {t} must equal ctx_len {ctx_len}")
         return k, v
-    if t == 1:  # decode: each row writes its own slot (scatter_: index_put_ is slow in deterministic mode)
-        return cache.k[layer].scatter_(2, slot, k), cache.v[layer].scatter_(2, slot, v)
+    if t == 1:  # decode: each row writes its own slot
+        return write_slots(cache.k[layer], 2, slot, k), write_slots(cache.v[layer], 2, slot, v)
     cache.k[layer][:, :, :t] = k  # prefill from position 0
     cache.v[layer][:, :, :t] = v
     return cache.k[layer], cache.v[layer]
@@ -220,7 +228,7 @@ def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KV
         chosen.append(ids)
     if last is not None:
         h = h[torch.arange(b, device=dev), last]  # [B, H]
-    h = _rms_norm(h, w.norm, eps)
+    h = ops.norm(h, w.norm, eps)
     out = ops.linear(h, w.lm_head) if head else h  # [B, T, V] or [B, V] (or [B, (T,) H])
     if not routes:
         return out

@@ -13,6 +13,9 @@ prefill/decode phase, so that the sampler and the trainer produce the same bits 
 - MoE: stable-sort routing (ties -> lowest expert id), grouped dispatch on bi_linear, combine in
   ascending expert id.
 Measured on torch 2.13 CPU (AVX512): exp, log, rsqrt, sum(-1), log_softmax(-1) are row-invariant.
+`CUDA_INVARIANT_OPS` are the same contract on CUDA as Triton kernels whose tiling depends on shapes, never on
+the row count (`detrl.models.triton_ops`): graph-capturable, no host syncs, shared by the CUDA engine and
+the trainer.
 """
 
 from __future__ import annotations
@@ -88,6 +91,12 @@ def _bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if m >= ROW_TILE:
         return torch.matmul(a, b)
     return torch.matmul(_pad_rows(a), b)[..., :m, :]
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm: statistics in float32, normalised x back in x's dtype, times w."""
+    xf = x.float()  # float32 input: the same tensor (no copy, the same bits as before)
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def bi_silu(x: torch.Tensor) -> torch.Tensor:
@@ -220,9 +229,20 @@ def grouped_moe(x, top_w, top_i, gate_up, down, linear, silu) -> torch.Tensor:
     return (y * top_w.unsqueeze(-1).to(y.dtype)).sum(1)
 
 
+def _triton(name: str) -> Callable:
+    """triton_ops.<name>, imported at the first call (CPU-only installs need not have Triton)."""
+    def op(*args):
+        from detrl.models import triton_ops
+
+        return getattr(triton_ops, name)(*args)
+
+    op.__name__ = op.__qualname__ = f"triton_{name}"
+    return op
+
+
 @dataclass(frozen=True)
 class Ops:
-    """A forward's numerics: the kernels, the MoE dispatch, the compute dtype of the weights (None: the
+    """A forward's numerics: the kernels (norm: RMSNorm), the MoE dispatch, the compute dtype of the weights (None: the
     model's own) and whether the trainer recomputes each layer in the backward (activation checkpointing)."""
 
     name: str
@@ -231,6 +251,7 @@ class Ops:
     attention: Callable
     route: Callable
     moe: Callable = moe_dispatch
+    norm: Callable = rms_norm
     dtype: torch.dtype | None = None
     checkpoint: bool = False
 
@@ -239,3 +260,6 @@ DEFAULT_OPS = Ops("default", F.linear, F.silu, sdpa_attention, route_topk)
 BATCH_INVARIANT_OPS = Ops("batch_invariant", bi_linear, bi_silu, bi_attention, route)
 # CUDA: torch's kernels, with the MoE as grouped gemms (static shapes, no host sync: graph-capturable)
 CUDA_DEFAULT_OPS = Ops("cuda_default", F.linear, F.silu, cuda_attention, route_topk, moe=grouped_moe)
+# CUDA, determinism on: batch-invariant Triton kernels (F.silu is elementwise: invariant as it is)
+CUDA_INVARIANT_OPS = Ops("cuda_invariant", _triton("linear"), F.silu, _triton("attention"), route,
+                         moe=_triton("moe"), norm=_triton("rms_norm"))

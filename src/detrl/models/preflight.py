@@ -5,6 +5,9 @@
   batch of another size: every row's logprobs must be equal;
 - phases: the sampler's prefill + KV-cache decode of a sequence vs the trainer's forward over it: the logprob
   of every decoded token must be equal (trainer == rollout, bitwise).
+- gemm shapes: every distinct gemm weight shape (K, N) of the model (q/k/v, o, gate/up, down, router, lm_head,
+  and the MoE block as a whole) over a spread of row counts (`ROWS`: 1..17, odd sizes, the engine's bucket
+  sizes and their neighbours, at two offsets): the rows of each call must equal the same rows of one large call.
 `require(...)` raises (fail-closed) when a check finds a difference; `negative_control(...)` runs the same checks
 with the default op set and must find one (else the check proves nothing on this device).
 
@@ -33,15 +36,61 @@ class PreflightError(ConfigError):
     """determinism=on cannot be honoured here: the check found a row or phase that varies (one line)."""
 
 
+ROWS = {"cuda": (*range(1, 18), 23, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 257, 299, 300),
+        "cpu": (1, 5, 16, 17, 33)}  # cheap on the CPU: the CPU tests run it
+
+
+def gemm_shapes(weights: Weights) -> dict[str, torch.Tensor]:
+    """One weight per distinct gemm of the model, by name (every layer has layer 0's shapes)."""
+    lw = weights.layers[0]
+    named = {"linear q/k/v": lw.qkv, "linear o": lw.o, "linear lm_head": weights.lm_head}
+    if lw.router is None:
+        named |= {"linear gate/up": lw.gate_up, "linear down": lw.down}
+    else:
+        named["linear router"] = lw.router
+    return named
+
+
+@torch.no_grad()
+def check_rows(weights: Weights, ops: Ops, seed: int = 0) -> list[str]:
+    """Each gemm shape (and the MoE block) on m rows at offset o vs the same rows of one call on every row."""
+    dev, dtype = weights.embed.device, weights.embed.dtype
+    spread = ROWS["cuda" if dev.type == "cuda" else "cpu"]
+    total = max(spread) + 7
+    g = torch.Generator().manual_seed(seed)
+    calls = {f"{name} (K={w.shape[-1]}, N={w.shape[0]})": (w.shape[-1], lambda x, w=w: ops.linear(x, w))
+             for name, w in gemm_shapes(weights).items()}
+    lw, c = weights.layers[0], weights.config
+    if lw.router is not None:
+        def moe(x):
+            top_w, top_i = ops.route(ops.linear(x, lw.router), c.num_experts_per_tok, c.norm_topk_prob)
+            return ops.moe(x, top_w, top_i, lw.gate_up, lw.down, ops.linear, ops.silu)
+
+        calls[f"moe (E={lw.gate_up.shape[0]}, K={lw.gate_up.shape[-1]}, I={lw.down.shape[-1]})"] = (
+            lw.gate_up.shape[-1], moe)
+    found = []
+    for what, (k, fn) in calls.items():
+        x = (torch.randn(total, k, generator=g) * 0.5).to(dev, dtype)
+        ref = fn(x)
+        bad = next(((m, o) for m in spread for o in (0, 7) if not torch.equal(fn(x[o : o + m]), ref[o : o + m])), None)
+        if bad:
+            m, o = bad
+            diff = (fn(x[o : o + m]) - ref[o : o + m]).float().abs().max().item()
+            found.append(f"{what}: rows {o}..{o + m - 1} of a {m}-row call differ from the same rows of a "
+                         f"{total}-row call (max diff {diff:.3g})")
+    return found
+
+
 @torch.no_grad()
 def check(weights: Weights, ops: Ops, ctx_len: int, rope, batch: int = 8, prompt_len: int = 3,
           seed: int = 0) -> list[str]:
-    """Differences found (empty: invariant on these shapes). Sequences of random tokens on the weights' device."""
+    """Differences found (empty: invariant on these shapes): the gemm shapes over row counts, then the trainer's
+    rows and the sampler's phases on sequences of random tokens on the weights' device."""
+    found = check_rows(weights, ops, seed)
     dev, vocab = weights.embed.device, weights.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (batch, ctx_len), generator=g).to(dev)
     full = _logprobs_of(forward(weights, ids, ops, ctx_len, rope)[:, :-1], ids[:, 1:])  # [B, L-1]
-    found = []
     for rows in (slice(0, 1), slice(1, 1 + max(1, batch // 2 - 1))):  # alone, and in a batch of another size
         part = _logprobs_of(forward(weights, ids[rows], ops, ctx_len, rope)[:, :-1], ids[rows, 1:])
         if not torch.equal(part, full[rows]):
@@ -79,6 +128,14 @@ def negative_control(weights: Weights, ops: Ops, ctx_len: int, rope, **kw) -> li
 ENV_KEYS = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "NCCL_ALGO", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
 
 
+def _driver_version() -> str:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            return f.readline().strip()
+    except OSError:
+        return "unknown"
+
+
 def numerics_contract(det, model, ctx_len: int, rope) -> dict:
     """Before step 0. determinism=on: `require` with the run's ops (raises PreflightError) and the negative
     control with the device's default ops; off: nothing is checked. -> the run's numerics contract (JSON-able)."""
@@ -92,7 +149,12 @@ def numerics_contract(det, model, ctx_len: int, rope) -> dict:
         "dtype": str(det.dtype), "ops": det.ops.name, "torch": torch.__version__,
         "cuda": torch.version.cuda, "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ},
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "kernels": {f: getattr(getattr(det.ops, f), "__qualname__", repr(getattr(det.ops, f)))
+                    for f in ("linear", "norm", "attention", "silu", "route", "moe")},
+        "gemm_rows_checked": list(ROWS["cuda" if dev.type == "cuda" else "cpu"]),
     }
+    if dev.type == "cuda":
+        contract["driver"] = _driver_version()
     try:
         import triton
 

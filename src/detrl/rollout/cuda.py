@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from detrl.models.forward import KVCache, fuse, layer_post, layer_pre, log_probs, rope_tables
+from detrl.models.forward import KVCache, fuse, layer_post, layer_pre, log_probs, rope_tables, write_slots
 from detrl.models.forward import forward as model_forward
 from detrl.models.ops import Ops, moe_dispatch
 from detrl.rollout.base import Request, Result, SamplingParams, cut_results
@@ -247,8 +247,8 @@ def _sample_step(temperature: float, top_p: float, seeded: bool, last, pos, t, k
         noise = gumbel(torch.rand(logp.shape, device=logp.device, dtype=torch.float64).clamp_min(1e-300))
     tok = sample(logp, noise, top_p)  # [B]
     col = t.clamp(max=tokens.shape[1] - 1).expand(tok.shape[0], 1)
-    tokens.scatter_(1, col, tok[:, None])
-    logps.scatter_(1, col, logp.gather(-1, tok[:, None]))
+    write_slots(tokens, 1, col, tok[:, None])
+    write_slots(logps, 1, col, logp.gather(-1, tok[:, None]))
     stopped.logical_or_(torch.isin(tok, stops))
     t.add_(1)
     done.copy_((stopped | (limit <= t)).all())
