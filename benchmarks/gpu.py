@@ -1,6 +1,6 @@
 """detrl on one GPU: the CUDA engine vs transformers `generate`, the trainer step, and one GRPO step vs TRL.
 
-    python benchmarks/gpu.py [--out DIR] [--sections rollout,grpo,trl,engine,onoff,grpo_moe] [--hf-moe-tokens 32]
+    python benchmarks/gpu.py [--out DIR] [--sections rollout,grpo,trl,engine,onoff,grpo_onoff,grpo_moe] [--hf-moe-tokens 32]
 
 Models: Qwen3-0.6B's shape (conf/model/qwen3_0p6b.yaml) and Qwen3-30B-A3B's layer shape with 6 layers
 (conf/model/qwen3_moe_a3b_6l.yaml), random init, bf16 compute (float32 master weights in the trainer).
@@ -284,6 +284,9 @@ def main() -> None:
         jobs += [lambda: rollout_section(DENSE, [64, 256], 0, "off"), lambda: rollout_section(DENSE, [64, 256], 0, "on"),
                  lambda: rollout_section(MOE, [64], 0, "off"), lambda: rollout_section(MOE, [64], 0, "on"),
                  lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
+                 lambda: grpo_section(DENSE, args.grpo_steps, out, "on")]
+    if "grpo_onoff" in sections:  # only the GRPO steps of onoff
+        jobs += [lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
                  lambda: grpo_section(DENSE, args.grpo_steps, out, "on")]
     if "grpo_moe" in sections:
         jobs += [lambda: grpo_section(MOE, 3, out)]

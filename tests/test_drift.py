@@ -223,3 +223,20 @@ def test_wandb_runs_load_like_the_local_files_and_a_dead_wandb_falls_back_to_the
     assert fallback.source == "local" and any("reading the local files" in str(w.message) for w in caught)
     with pytest.raises(Exception):  # noqa: B017 - no local dir to fall back to: the W&B error surfaces
         load_sweep(None, wandb_path="me/detrl/g")
+
+
+def test_the_device_sketch_is_exact_in_norm_within_10_percent_in_distance_and_the_same_bits_twice(model):
+    """The on-device path (GPUs: no host copy), run here on CPU tensors: its distance estimates the exact L2
+    distance as the host path's does, its norm is exact, and it is a pure function of the values."""
+    from detrl.fingerprint import _params, _projection, device_sketch
+
+    gauss = torch.from_numpy(_projection(_params(model)[0], 256, 4096, 20261201).gauss)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 1e-3)
+    (a, norm), (a2, _) = device_sketch(_params(model)[1], gauss), device_sketch(_params(model)[1], gauss)
+    b, _ = device_sketch(_params(other)[1], gauss)
+    exact = float(torch.linalg.vector_norm(flat_params(model) - flat_params(other)))
+    assert np.array_equal(a, a2) and abs(np.linalg.norm(a - b) / exact - 1) < 0.10
+    assert norm == pytest.approx(float(torch.linalg.vector_norm(flat_params(model))), rel=1e-12)

@@ -118,6 +118,8 @@ class _Projection:
 
     def __call__(self, tensors: list[torch.Tensor]) -> tuple[np.ndarray, float]:
         """-> (the sketch [k], the exact L2 norm), one parameter at a time into a reused float64 buffer."""
+        if tensors and tensors[0].is_cuda:
+            return device_sketch(tensors, torch.from_numpy(self.gauss), self.fold)
         o = 0
         for t in tensors:
             # a float64 copy (numpy() of the parameter itself would pin its storage, which FSDP2 frees and
@@ -128,6 +130,42 @@ class _Projection:
         folded = np.einsum("ij,ij->j", self.buf.reshape(-1, self.fold), self.signs)
         norm = math.sqrt(float(np.einsum("i,i->", self.buf, self.buf)))
         return np.einsum("kj,j->k", self.gauss, folded), norm
+
+
+_K1, _K2 = -7046029254386353131, -4658895280553007687  # 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9 as int64
+_CHUNK = 1 << 24  # elements per device step (a multiple of FOLD)
+
+
+def _hash_signs(index: torch.Tensor) -> torch.Tensor:
+    """+-1 (float64) as a function of the global parameter index alone: a multiply-xorshift hash in int64 (the
+    products wrap), bit 40 of the result."""
+    h = (index ^ SKETCH_SEED) * _K1
+    h = (h ^ (h >> 29)) * _K2
+    return ((h >> 40) & 1).to(torch.float64) * 2 - 1
+
+
+def device_sketch(tensors: list[torch.Tensor], gauss: torch.Tensor, fold: int = FOLD) -> tuple[np.ndarray, float]:
+    """The parameter sketch computed where the parameters are (no host copy of the model: on a 0.6B model the
+    host path copied 2.4 GB and folded it in numpy every step): the same Gaussian projection of a random-sign
+    fold, with the signs hashed from each element's global index, in float64 chunks aligned to the fold, so
+    the result depends on the values alone (the same bits run to run; not equal to the host path's numbers)."""
+    dev = tensors[0].device
+    folded = torch.zeros(fold, dtype=torch.float64, device=dev)
+    square = torch.zeros((), dtype=torch.float64, device=dev)
+    o = 0  # global index of the tensor's first element
+    for t in tensors:
+        x = t.detach().reshape(-1)
+        start = o - o % fold  # the chunk grid is global: chunks start at multiples of the fold
+        for lo in range(start, o + x.numel(), _CHUNK):
+            a, b = max(lo, o), min(lo + _CHUNK, o + x.numel())
+            part = x[a - o : b - o].to(torch.float64)  # float32 -> float64 is exact
+            square += part.square().sum()
+            signed = part * _hash_signs(torch.arange(a, b, device=dev))
+            pad = torch.nn.functional.pad(signed, (a - lo, (-(b - lo)) % fold))  # aligned to fold columns
+            folded += pad.view(-1, fold).sum(0)
+        o += x.numel()
+    sketch = gauss.to(dev) @ folded
+    return sketch.cpu().numpy(), math.sqrt(square.item())
 
 
 @lru_cache(maxsize=8)
