@@ -304,3 +304,16 @@ def test_gpu_invariant_ops_pass_preflight_and_engine_equals_trainer(cfg):
     trainer = [tok[i, len(q.prompt_ids) - 1 : len(q.prompt_ids) - 1 + len(r.tokens)].tolist()
                for i, (q, r) in enumerate(zip(reqs, outs[1]))]
     assert trainer == [r.logprobs for r in outs[1]]
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_probe_on_row_gives_one_output():
+    """`python -m detrl.probe device=cuda`: the CUDA engine with its op sets; all pinned gives one output per
+    target, and nothing varying (the control) too."""
+    from detrl.probe import ROWS, probe
+    from tests.conftest import make_cfg
+
+    rows = {k: ROWS[k] for k in ("control", "determinism=on")}
+    counts = probe(make_cfg("device=cuda", "warmstart.steps=40", "logger=none"), trials=8, rows=rows)
+    assert all(v == (1, 1) for by_mode in counts.values() for v in by_mode.values()), counts

@@ -1,6 +1,7 @@
 """Probe the engine for the sources of rollout nondeterminism, one cause per row.
 
     python -m detrl.probe model=qwen3_moe trials=50
+    python -m detrl.probe device=cuda model=qwen3_0p6b trials=50     # the CUDA engine, its op sets, bf16
 
 The same target prompts go through one engine batch `trials` times; per row and batch-mate mode it
 prints how many distinct outputs (token sequences, and token + logprob bit patterns) a target got, worst
@@ -32,7 +33,7 @@ import torch
 from omegaconf import DictConfig
 
 from detrl.config import ConfigError, TrainConfig, register_configs, to_typed
-from detrl.models.ops import BATCH_INVARIANT_OPS, DEFAULT_OPS
+from detrl.determinism import Determinism, preset
 from detrl.rollout import EmbeddedEngine, Request
 
 MODES = ("single", "mixed", "prefix")
@@ -73,6 +74,30 @@ def _batch(mode: str, target: Request, pool: list[tuple[int, ...]], size: int, r
     return batch, pos
 
 
+def _engines(cfg: TrainConfig, det: Determinism, model, ctx_len: int, params, max_bs: int) -> dict:
+    """One engine per kernel set, on the run's device: the default set is the `off` preset's ops for that device,
+    the batch-invariant one the `on` preset's (CPU: the embedded engine, one worker; CUDA: the CUDA engine)."""
+    def ops(kernels: str):
+        return dataclasses.replace(det, sources=preset("on" if kernels == "batch_invariant" else "off")).ops
+
+    if det.device.type == "cuda":
+        from detrl.rollout.cuda import CudaEngine
+
+        return {k: CudaEngine(model, ops(k), ctx_len, params, seed=cfg.seed, max_batch_size=max_bs, device=det.device,
+                              dtype=det.dtype) for k in ("default", "batch_invariant")}
+    return {k: EmbeddedEngine(model, ops(k), ctx_len, params, seed=cfg.seed, num_workers=1, max_batch_size=max_bs)
+            for k in ("default", "batch_invariant")}
+
+
+def _reseed(engine, seed: int) -> None:
+    """Set the stream unseeded requests draw from: the embedded sampler's generator, or CUDA's (the CUDA engine
+    samples unseeded rows from the device's global stream)."""
+    if isinstance(engine, EmbeddedEngine):
+        engine.sampler.generator.manual_seed(seed)
+    else:
+        torch.cuda.manual_seed(seed)
+
+
 def probe(cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, rows: dict[str, Row] | None = None
           ) -> dict[str, dict[str, tuple[int, int]]]:
     """-> {row: {mode: (max distinct token outputs, max distinct token+logprob outputs)}} over the targets."""
@@ -82,8 +107,7 @@ def probe(cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, row
 
     rows = ROWS if rows is None else rows
     det, tokenizer, task, ctx_len, model, params = build(cfg)
-    engines = {name: EmbeddedEngine(model, ops, ctx_len, params, seed=cfg.seed, num_workers=1, max_batch_size=max_bs)
-               for name, ops in (("default", DEFAULT_OPS), ("batch_invariant", BATCH_INVARIANT_OPS))}
+    engines = _engines(cfg, det, model, ctx_len, params, max_bs)
     pool = [tuple(encode(tokenizer, task[i].prompt)) for i in range(len(task))]
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     out: dict[str, dict[str, tuple[int, int]]] = {}
@@ -100,13 +124,13 @@ def probe(cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, row
                     target = Request(det.prompt_uid(j) * 1000, 0, pool[j], seed)
                     rng = random.Random(stable_hash("probe-mates", cfg.seed, mode, j))
                     stream_seed = stable_hash("probe-stream", cfg.seed, j)
-                    engine.sampler.generator.manual_seed(stream_seed)
+                    _reseed(engine, stream_seed)
                     fixed = _batch(mode, target, pool, 1 + max_bs // 2, rng, seeded) if row.mates == "fixed" else None
                     outs = []
                     for t in range(trials):
                         batch, pos = fixed or _batch(mode, target, pool, 1 + t % max_bs, rng, seeded)
                         if row.sampling == "reseeded":
-                            engine.sampler.generator.manual_seed(stream_seed)
+                            _reseed(engine, stream_seed)
                         res = engine.run_batch(batch)[pos]
                         outs.append((tuple(res.tokens), tuple(res.logprobs)))
                     worst = max(worst[0], len({o[0] for o in outs})), max(worst[1], len(set(outs)))
@@ -142,7 +166,8 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, ValueError) as e:
         print(f"detrl.probe: config error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
-    print(format_table(probe(typed, typed.trials), typed.trials, label=typed.model.name))
+    label = f"{typed.model.name} ({typed.device})" if typed.device != "auto" else typed.model.name
+    print(format_table(probe(typed, typed.trials), typed.trials, label=label))
 
 
 if __name__ == "__main__":
