@@ -120,3 +120,21 @@ def test_reward_workers_score_the_same_and_count_failures_from_the_pool():
         assert rows.score_texts(responses, "\\frac{1}{2}") == [math_reward(r, "\\frac{1}{2}") for r in responses]
     finally:
         rows._executor.shutdown(cancel_futures=True)
+
+
+def test_the_reward_pool_is_closed_with_the_task_and_survives_a_dead_worker():
+    """close() stops the processes; a scoring process that dies makes that group score in-process (the same
+    scores) and the next group gets a new pool, instead of stopping the run."""
+    task = _Flaky(["q"], ["a"])
+    task.reward_workers = 2
+    assert task.score_texts(["a", "b"], "a") == [1.0, 0.0]
+    procs = list(task._executor._processes.values())
+    procs[0].kill()
+    procs[0].join()
+    assert task.score_texts(["a", "b", "a"], "a") == [1.0, 0.0, 1.0]
+    assert task.score_texts(["b", "a"], "a") == [0.0, 1.0] and task._executor is not None
+    procs = list(task._executor._processes.values())
+    task.close()
+    for p in procs:
+        p.join(timeout=10)
+    assert task._executor is None and not any(p.is_alive() for p in procs)

@@ -228,9 +228,9 @@ def test_wandb_runs_load_like_the_local_files_and_a_dead_wandb_falls_back_to_the
 def test_the_device_sketch_is_exact_in_norm_within_10_percent_in_distance_and_the_same_bits_twice(model):
     """The on-device path (GPUs: no host copy), run here on CPU tensors: its distance estimates the exact L2
     distance as the host path's does, its norm is exact, and it is a pure function of the values."""
-    from detrl.fingerprint import _params, _projection, device_sketch
+    from detrl.fingerprint import _device_gauss, _params, device_sketch
 
-    gauss = torch.from_numpy(_projection(_params(model)[0], 256, 4096, 20261201).gauss)
+    gauss = _device_gauss(256, 4096, 20261201)
     other = copy.deepcopy(model)
     with torch.no_grad():
         for p in other.parameters():

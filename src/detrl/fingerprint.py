@@ -118,8 +118,6 @@ class _Projection:
 
     def __call__(self, tensors: list[torch.Tensor]) -> tuple[np.ndarray, float]:
         """-> (the sketch [k], the exact L2 norm), one parameter at a time into a reused float64 buffer."""
-        if tensors and tensors[0].is_cuda:
-            return device_sketch(tensors, torch.from_numpy(self.gauss), self.fold)
         o = 0
         for t in tensors:
             # a float64 copy (numpy() of the parameter itself would pin its storage, which FSDP2 frees and
@@ -136,15 +134,16 @@ _K1, _K2 = -7046029254386353131, -4658895280553007687  # 0x9E3779B97F4A7C15, 0xB
 _CHUNK = 1 << 24  # elements per device step (a multiple of FOLD)
 
 
-def _hash_signs(index: torch.Tensor) -> torch.Tensor:
-    """+-1 (float64) as a function of the global parameter index alone: a multiply-xorshift hash in int64 (the
+def _hash_signs(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """+-1 (float64) as a function of (seed, the global parameter index): a multiply-xorshift hash in int64 (the
     products wrap), bit 40 of the result."""
-    h = (index ^ SKETCH_SEED) * _K1
+    h = (index ^ seed) * _K1
     h = (h ^ (h >> 29)) * _K2
     return ((h >> 40) & 1).to(torch.float64) * 2 - 1
 
 
-def device_sketch(tensors: list[torch.Tensor], gauss: torch.Tensor, fold: int = FOLD) -> tuple[np.ndarray, float]:
+def device_sketch(tensors: list[torch.Tensor], gauss: torch.Tensor, fold: int = FOLD, seed: int = SKETCH_SEED
+                  ) -> tuple[np.ndarray, float]:
     """The parameter sketch computed where the parameters are (no host copy of the model: on a 0.6B model the
     host path copied 2.4 GB and folded it in numpy every step): the same Gaussian projection of a random-sign
     fold, with the signs hashed from each element's global index, in float64 chunks aligned to the fold, so
@@ -160,12 +159,19 @@ def device_sketch(tensors: list[torch.Tensor], gauss: torch.Tensor, fold: int = 
             a, b = max(lo, o), min(lo + _CHUNK, o + x.numel())
             part = x[a - o : b - o].to(torch.float64)  # float32 -> float64 is exact
             square += part.square().sum()
-            signed = part * _hash_signs(torch.arange(a, b, device=dev))
+            signed = part * _hash_signs(torch.arange(a, b, device=dev), seed)
             pad = torch.nn.functional.pad(signed, (a - lo, (-(b - lo)) % fold))  # aligned to fold columns
             folded += pad.view(-1, fold).sum(0)
         o += x.numel()
     sketch = gauss.to(dev) @ folded
     return sketch.cpu().numpy(), math.sqrt(square.item())
+
+
+@lru_cache(maxsize=4)
+def _device_gauss(dim: int, fold: int, seed: int) -> torch.Tensor:
+    """The device path's Gaussian G [k, FOLD] (its signs are hashed, so nothing of size n is ever drawn)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(dim, fold, generator=g, dtype=torch.float64) / math.sqrt(dim)
 
 
 @lru_cache(maxsize=8)
@@ -189,6 +195,8 @@ def param_sketch(model: torch.nn.Module, dim: int = SKETCH_DIM, fold: int = FOLD
     one layout (same names and sizes)."""
     layout, tensors = _params(model)
     with torch.no_grad():
+        if tensors and tensors[0].is_cuda:  # on the device: no host copy of the model, no n-sized host arrays
+            return device_sketch(tensors, _device_gauss(dim, fold, seed), fold, seed)
         return _projection(layout, dim, fold, seed)(tensors)
 
 

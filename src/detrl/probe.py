@@ -114,7 +114,7 @@ def probe(cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, row
     try:
         for row_name, row in rows.items():
             engine = engines[row.kernels]
-            torch.use_deterministic_algorithms(row.kernels == "batch_invariant")  # as the engine's workers do
+            torch.use_deterministic_algorithms(row.kernels == "batch_invariant")  # the preset of the kernels: on or off
             seeded = row.sampling == "seeded"
             out[row_name] = {}
             for mode in MODES:

@@ -402,6 +402,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
         exit_code = 0
     finally:
         engine.close()
+        task.close()  # its reward processes, if any (a multirun trains every job in this process)
         summary = reward_summary(curve)
         tracker.summary(summary)
         tracker.finish(exit_code)

@@ -12,11 +12,13 @@ text alone, so the pool changes no bits.
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import random
 import signal
 import threading
 import weakref
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,9 +119,13 @@ class Task:
             return 0.0, True
 
     def score_texts(self, responses: list[str], answer: str) -> list[float]:
+        scored = None
         if self.reward_workers > 0 and len(responses) > 1:
-            scored = list(self._pool().map(_score_in_worker, responses, [answer] * len(responses)))
-        else:
+            try:
+                scored = list(self._pool().map(_score_in_worker, responses, [answer] * len(responses)))
+            except BrokenProcessPool:  # a scoring process died (e.g. killed for memory): a new pool next time
+                self.close()
+        if scored is None:
             scored = [self.score_one(text, answer) for text in responses]
         self.errors += sum(failed for _, failed in scored)
         return [score for score, _ in scored]
@@ -127,11 +133,19 @@ class Task:
     def _pool(self) -> ProcessPoolExecutor:
         """The scoring processes (spawned, not forked: the trainer may hold CUDA and engine workers), made at first
         use and shut down with the task."""
-        if self._executor is None:
+        if self._executor is None:  # the task goes pickled (the pool holds no reference to it)
             self._executor = ProcessPoolExecutor(self.reward_workers, mp_context=mp.get_context("spawn"),
-                                                 initializer=_init_worker, initargs=(self,))
+                                                 initializer=_init_worker, initargs=(pickle.dumps(self),))
             weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
         return self._executor
+
+    def close(self) -> None:
+        """Stop the scoring processes, if any (the task still scores, in-process or with a new pool)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        if self.eval_task is not None:
+            self.eval_task.close()
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_executor": None}  # a worker's copy scores in-process
@@ -144,9 +158,9 @@ class Task:
 _WORKER_TASK: Task | None = None  # a scoring process's copy of the task
 
 
-def _init_worker(task: Task) -> None:
+def _init_worker(task: bytes) -> None:
     global _WORKER_TASK
-    _WORKER_TASK = task
+    _WORKER_TASK = pickle.loads(task)
 
 
 def _score_in_worker(text: str, answer: str) -> tuple[float, bool]:

@@ -27,7 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 from detrl.models.forward import KVCache, Weights, forward, fuse, log_probs, rope_tables
-from detrl.models.ops import BATCH_INVARIANT_OPS, Ops
+from detrl.models.ops import Ops
 from detrl.rollout.base import Request, Result, SamplingParams, cut_results
 from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
 
@@ -118,7 +118,7 @@ class Sampler:
 
 
 def _serve(worker: int, sampler: Sampler, tasks, inbox, outbox, max_batch_size: int, window_s: float,
-           parent: int) -> None:
+           parent: int, deterministic: bool) -> None:
     """A worker process: run what is routed to it until told to stop (None).
 
     Fixed routing: `tasks` brings (call, stream seed, params, [(batch no, [(index, request)])]). Dynamic:
@@ -127,7 +127,7 @@ def _serve(worker: int, sampler: Sampler, tasks, inbox, outbox, max_batch_size: 
     (a forked worker would otherwise keep that process's sockets open, e.g. a killed server's port).
     """
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(sampler.ops is BATCH_INVARIANT_OPS)
+    torch.use_deterministic_algorithms(deterministic)  # determinism.torch_algorithms, as in the engine's process
     torch.utils.deterministic.fill_uninitialized_memory = False
     sampler.generator = torch.Generator()
     current, carry = None, None
@@ -207,6 +207,7 @@ class EmbeddedEngine:
         self.ops, self.ctx_len, self.params = ops, ctx_len, params
         self.num_workers, self.max_batch_size, self.fixed_routing = num_workers, max_batch_size, fixed_routing
         self.batch_window_s = batch_window_s
+        self.deterministic = torch.are_deterministic_algorithms_enabled()  # set by determinism.setup; workers copy it
         # the weights the workers read: shared memory, overwritten in place at each sync
         self.weights = fuse(self.model).map(lambda t: t.detach().clone().share_memory_())
         self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)
@@ -242,7 +243,8 @@ class EmbeddedEngine:
             sampler = Sampler(self.weights, self.ops, self.ctx_len, self.params, None, self._abort)
             tasks = self._tasks[w] if self._tasks else None
             p = self._ctx.Process(target=_serve, args=(w, sampler, tasks, self._inbox, self._outbox,
-                                                       self.max_batch_size, self.batch_window_s, os.getpid()),
+                                                       self.max_batch_size, self.batch_window_s, os.getpid(),
+                                                       self.deterministic),
                                   daemon=True)
             p.start()
             self._procs.append(p)
