@@ -317,3 +317,13 @@ def test_gpu_probe_on_row_gives_one_output():
     rows = {k: ROWS[k] for k in ("control", "determinism=on")}
     counts = probe(make_cfg("device=cuda", "warmstart.steps=40", "logger=none"), trials=8, rows=rows)
     assert all(v == (1, 1) for by_mode in counts.values() for v in by_mode.values()), counts
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_float32_with_invariant_kernels_is_refused_in_one_line():
+    from detrl.trainer import build
+    from tests.conftest import make_cfg
+
+    with pytest.raises(ConfigError, match=r"^model.dtype=float32 is not valid with determinism.kernels="):
+        build(make_cfg("device=cuda", "model.dtype=float32", "logger=none"))

@@ -172,8 +172,11 @@ def test_train_partial_rollout_with_replay_on(tmp_path):
                for r in rows)
 
 
-def test_train_off_logs_the_measured_agreement(tmp_path):
-    rows = run_tiny(tmp_path, "model=qwen3_moe", "determinism=off", "algo.routing_replay=true")
+def test_train_off_logs_the_agreement_of_the_routers_own_choice(tmp_path):
+    """determinism=off without replay: the metric is the router's own choice against the engine's (measured 1.0
+    on CPU in float32, where batch variance ~1e-7 never flipped a top-k choice; < 1 is hand-checked in
+    test_layer_agreement_compares_id_sets_per_layer)."""
+    rows = run_tiny(tmp_path, "model=qwen3_moe", "determinism=off")
     values = [r["mismatch/router_agreement"] for r in rows]
     assert all(0.0 <= v <= 1.0 and not math.isnan(v) for v in values)
     dense = run_tiny(tmp_path / "dense", "steps=1")

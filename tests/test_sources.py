@@ -78,7 +78,6 @@ def test_released_kernels_change_the_logprobs_and_break_on_policy(all_on, tmp_pa
     ("order", "completion", "qwen3", "with fixed routing the engine already returns results in request order"),
     ("moe_routing", "topk", "qwen3_moe", "torch.topk and the stable sort pick the same experts unless two router "
      "probabilities tie exactly, which these runs never hit"),
-    ("reduce", "all_reduce", "qwen3", "one process has no gradients to reduce across ranks"),
 ])
 def test_sources_that_alone_leave_the_bits_unchanged(all_on, tmp_path, source, value, model, why):
     rows = run_tiny(tmp_path, *FAST, f"model={model}", f"determinism.{source}={value}")
@@ -87,12 +86,15 @@ def test_sources_that_alone_leave_the_bits_unchanged(all_on, tmp_path, source, v
 
 def test_released_torch_algorithms_can_only_move_the_parameters(all_on, tmp_path):
     """torch's default algorithms are the trainer's (the CPU embedding backward accumulates in a thread-timing
-    order, not the sorted one's): a rollout only sees parameters the all-on run had too, so a difference, if any,
-    first shows in the parameters (measured: the same bits at step 1, other parameters at step 2)."""
-    rows = run_tiny(tmp_path, *FAST, "determinism.torch_algorithms=default")
-    torch.use_deterministic_algorithms(False)
+    order, not the sorted one's): a rollout only sees parameters the all-on run had too, so the difference first
+    shows in the parameters (measured: the same bits at step 1, other parameters at step 2; the ablation saw
+    it at step 1 with larger batches)."""
+    try:
+        rows = run_tiny(tmp_path, *FAST, "determinism.torch_algorithms=default")
+    finally:
+        torch.use_deterministic_algorithms(False)
     first = _first(rows, all_on["qwen3"])
-    assert first is None or first[1] == "params"
+    assert first is not None and first[1] == "params", first  # the default backward sums in another order
 
 
 def test_async_cut_cuts_by_the_clock_and_the_budget_cut_is_reproducible(tmp_path):

@@ -174,3 +174,11 @@ def test_max_staleness_restarts_old_partial_samples(tmp_path):
                     "rollout.partial.oversample=3", "steps=4")
     assert max(r["partial/restarted"] for r in rows) > 0
     assert all(r["partial/staleness_max"] == 0 for r in rows)
+
+
+def test_bf16_compute_on_cpu_is_true_on_policy_under_on(tmp_path):
+    """model.dtype=bfloat16 on CPU: the engine samples from the same bf16 copies the trainer computes with (it
+    sampled from the float32 masters before: mismatch ~2e-3), so trainer == rollout logprobs exactly."""
+    rows = run_tiny(tmp_path, "model=qwen3_moe", "model.dtype=bfloat16")
+    assert all(r["mismatch/train_rollout_logprob_abs_diff"] == 0 for r in rows)
+    assert all(r["mismatch/router_agreement"] == 1.0 for r in rows)

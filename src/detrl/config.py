@@ -149,13 +149,13 @@ class DeterminismConfig:
 @dataclass
 class PartialRolloutConfig:
     enabled: bool = False
-    # determinism on: new tokens per pending sample per generation round (the cut). Each round re-prefills prompt +
+    # determinism.cut=token_budget: new tokens per pending sample per generation round (the cut). Each round re-prefills prompt +
     # prefix, so a budget of 1 costs O(length^2): 0 = auto, ceil(rollout.max_new_tokens / ROUNDS_PER_RESPONSE)
     token_budget: int = 0
     oversample: float = 1.5  # prompt groups in flight per step, as a multiple of train_batch_size
     max_staleness: int = 2  # an unfinished sample whose oldest token is older than this many versions restarts
     stale_tokens: str = "keep"  # keep (importance ratio vs the behaviour logprobs) | mask | rescore
-    off_cut: str = "groups"  # determinism off: cut when the first groups finish (groups) or at a wall-clock budget (time)
+    off_cut: str = "groups"  # determinism.cut=async: cut when the first groups finish (groups) or at a wall-clock budget (time)
     time_budget_s: float = 0.05  # off_cut=time: seconds of generation per call before the cut
 
 

@@ -38,8 +38,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from detrl.models.ops import (BATCH_INVARIANT_OPS, CUDA_DEFAULT_OPS, CUDA_INVARIANT_OPS, DEFAULT_OPS, Ops, route,
-                             route_topk)
+from detrl.models.ops import (
+    BATCH_INVARIANT_OPS,
+    CUDA_DEFAULT_OPS,
+    CUDA_INVARIANT_OPS,
+    DEFAULT_OPS,
+    Ops,
+    route,
+    route_topk,
+)
 from detrl.rollout.base import Request, Result
 
 # source -> (on value, off value)
@@ -67,6 +74,15 @@ def flipped(sources: dict[str, str], name: str) -> list[str]:
     """The sources whose value differs from the preset `name`, as `source=value` (empty: the plain preset)."""
     base = preset(name)
     return [f"{s}={sources[s]}" for s in SOURCES if sources[s] != base[s]]
+
+
+def label(det: dict) -> str | None:
+    """The preset, plus each source set away from it: "on", "off", "on-kernels=default". A config without the
+    per-source keys (from before they existed) is its preset; None or another name is returned as it is."""
+    name = det.get("name")
+    if name not in PRESETS:
+        return name
+    return "-".join([name, *flipped({s: det.get(s, v) for s, v in preset(name).items()}, name)])
 
 
 def check(sources: dict[str, str], *, partial: bool = False, backend: str = "embedded") -> None:

@@ -290,7 +290,7 @@ def fig_ablation(sweep: Sweep):
     for ax, setting in zip(axes.flat, settings):
         g = t[t.setting == setting].reset_index(drop=True)
         for i, r in g.iterrows():
-            color = COLOR["on"] if r.reproducible else COLOR["off"]
+            color = "grey" if r.reproducible is None else COLOR["on"] if r.reproducible else COLOR["off"]
             ax.barh(i, r.reward_spread or 0, color=color, alpha=0.85, height=0.6)
             if not r.reward_spread:  # exactly 0: a mark on the axis
                 ax.plot(0, i, "o", ms=4, color=color, clip_on=False)
@@ -298,8 +298,11 @@ def fig_ablation(sweep: Sweep):
                 ax.errorbar(r.reward_spread, i, xerr=[[r.reward_spread - r.reward_spread_lo],
                                                        [r.reward_spread_hi - r.reward_spread]],
                             fmt="none", ecolor="black", lw=0.8, capsize=2)
-            text = ("bitwise repeats" if r.reproducible else
-                    f"diverge at step {int(r.first_divergence_step)} ({r.first_divergence_stage})")
+            if r.reproducible is None:
+                text = "fewer than 2 complete repeats"
+            else:
+                text = "bitwise repeats" if r.reproducible else \
+                    f"diverge at step {int(r.first_divergence_step)} ({r.first_divergence_stage})"
             if isinstance(r.differs_from_all_on, str):
                 text += "; = all-on" if r.differs_from_all_on.startswith("no") else \
                     f"; vs all-on: {r.differs_from_all_on}"

@@ -60,12 +60,7 @@ def context_length(task, tokenizer, max_new_tokens: int) -> int:
 def cell_name(cfg: TrainConfig) -> str:
     """The sweep cell a run belongs to: everything but the replicate index."""
     partial = "on" if cfg.rollout.partial.enabled else "off"
-    return f"{cfg.model.name}_{cfg.algo.name}_det-{determinism_label(cfg)}_partial-{partial}_s{cfg.seed}"
-
-
-def determinism_label(cfg: TrainConfig) -> str:
-    """The preset and any source flipped away from it: `on`, `off`, `on-kernels=default`."""
-    return "-".join([cfg.determinism.name, *det_mod.flipped(vars(cfg.determinism), cfg.determinism.name)])
+    return f"{cfg.model.name}_{cfg.algo.name}_det-{det_mod.label(vars(cfg.determinism))}_partial-{partial}_s{cfg.seed}"
 
 
 def run_name(cfg: TrainConfig) -> str:
@@ -95,7 +90,8 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
     and current differ, e.g. keep-mode stale tokens).
     Under torchrun, `dp` (`detrl.distributed.DataParallel`) says which micro-batches this rank runs, gathers
     their rows / metrics and reduces the gradients; without it, every micro-batch runs here.
-    MoE with recorded routing: `mismatch/router_agreement` compares the old pass's own top-k ids with the engine's;
+    MoE with recorded routing: `mismatch/router_agreement` compares the old pass's own top-k ids with the engine's
+    (with replay, each layer's own choice given the replayed layers below);
     `algo.routing_replay` makes the old and gradient passes use the engine's ids on the response tokens.
     """
     a, temp, mb = cfg.algo, cfg.rollout.temperature, cfg.micro_batch_size
@@ -250,6 +246,9 @@ def build(cfg: TrainConfig):
     device = resolve_device(cfg.device)
     det = det_mod.setup(cfg.determinism, cfg.seed, device, resolve_dtype(cfg.model.dtype, device),
                         cfg.activation_checkpointing)
+    if det.device.type == "cuda" and det.invariant_kernels and det.dtype == torch.float32:
+        raise ConfigError("model.dtype=float32 is not valid with determinism.kernels=batch_invariant on CUDA: the "
+                          "Triton kernels' float32 dots run in TF32; use model.dtype=bfloat16 (or auto)")
     if cfg.model.path is not None:  # one line naming what the dir lacks, or its unsupported architecture
         arch = checkpoint_architecture(cfg.model.path, need_tokenizer=True)
         if arch != cfg.model.name:
@@ -338,7 +337,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(o.betas),
                             fused=True)
     warmup = warmup_steps(o.lr_warmup_steps, o.lr_warmup_steps_ratio, cfg.steps)
-    tags = [f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={determinism_label(cfg)}",
+    tags = [f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={det_mod.label(vars(cfg.determinism))}",
             f"partial={cfg.rollout.partial.enabled}", f"repeat={cfg.repeat}"]
     source = GroupSource(det, task, tokenizer, cfg)
     evaluator = Evaluator(cfg, source)  # eval/* every eval.every steps; reward/errors every step

@@ -25,6 +25,15 @@ REWARD = "critic/score/mean"
 BOOTSTRAP = 1000
 
 
+def _yes(reproducible) -> bool:
+    """True (repeats bitwise identical); None (fewer than 2 complete repeats) counts as neither yes nor no."""
+    return reproducible is not None and bool(reproducible)
+
+
+def _no(reproducible) -> bool:
+    return reproducible is not None and not bool(reproducible)
+
+
 def kind_of(ablation: str) -> tuple[str, str | None]:
     """'no_kernels' -> ('leave-one-out', 'kernels'); 'all_on_partial' -> ('reference', None)."""
     for prefix, kind in (("no_", "leave-one-out"), ("only_", "leave-one-in")):
@@ -68,7 +77,7 @@ def ablation_table(sweep: Sweep) -> pd.DataFrame:
         ref = ",".join(sorted([*(f"{k}={x}" for k, x in parse_cell(cell).items() if k != "ablation"),
                                f"ablation={reference_of(name)}"]))
         row = {"setting": setting, "ablation": name, "kind": kind, "source": source, "repeats": v.repeats[cell],
-               "reproducible": v.distinct_trajectories[cell] == 1,
+               "reproducible": v.distinct_trajectories[cell] == 1 if v.repeats[cell] >= 2 else None,
                "first_divergence_step": v.first_divergence_step[cell],
                "first_divergence_stage": v.first_divergence_stage[cell],
                "reward_last": v.reward_last[cell], "param_distance_last": v.param_distance_last[cell],
@@ -100,8 +109,8 @@ def ablation_title(table: pd.DataFrame) -> str:
     """One line over all settings: which sources alone break bitwise repeats from on, which alone restore them
     from off."""
     loo, loi = table[table.kind == "leave-one-out"], table[table.kind == "leave-one-in"]
-    breaks = sorted(set(loo[~loo.reproducible].source))
-    restores = sorted(set(loi[loi.reproducible].source))
+    breaks = sorted(set(loo[loo.reproducible.map(_no)].source))
+    restores = sorted(set(loi[loi.reproducible.map(_yes)].source))
     return (f"Released alone from on, {', '.join(breaks) or 'no source'} breaks bitwise repeats; pinned alone in off, "
             f"{', '.join(restores) or 'no source'} restores them (reward std across repeats, mean over steps)")
 
@@ -113,12 +122,12 @@ def ablation_findings(table: pd.DataFrame) -> list[str]:
     for setting, t in table.groupby("setting", sort=True):
         loo, loi = t[t.kind == "leave-one-out"], t[t.kind == "leave-one-in"]
         breaks = [f"{r.source} (step {int(r.first_divergence_step)}, {r.first_divergence_stage})"
-                  for r in loo.itertuples() if not r.reproducible]
+                  for r in loo.itertuples() if _no(r.reproducible)]
         changes = [r.source for r in loo.itertuples()
-                   if r.reproducible and r.differs_from_all_on and not r.differs_from_all_on.startswith("no")]
+                   if _yes(r.reproducible) and r.differs_from_all_on and not r.differs_from_all_on.startswith("no")]
         inert = [r.source for r in loo.itertuples()
-                 if r.reproducible and r.differs_from_all_on and r.differs_from_all_on.startswith("no")]
-        restores = [r.source for r in loi.itertuples() if r.reproducible]
+                 if _yes(r.reproducible) and r.differs_from_all_on and r.differs_from_all_on.startswith("no")]
+        restores = [r.source for r in loi.itertuples() if _yes(r.reproducible)]
         s = [f"**{setting}**: released alone from `on`, "
              + (", ".join(breaks) + " make repeats diverge" if breaks else "no source makes repeats diverge")]
         if changes:
@@ -127,7 +136,7 @@ def ablation_findings(table: pd.DataFrame) -> list[str]:
             s.append(", ".join(inert) + " leave them bitwise equal to all-on")
         s.append("pinned alone in `off`, " + (", ".join(restores) + " restore bitwise repeats" if restores
                                               else "no single source restores bitwise repeats"))
-        near = loi[~loi.reproducible & loi.param_distance_last.notna()].sort_values("param_distance_last")
+        near = loi[loi.reproducible.map(_no) & loi.param_distance_last.notna()].sort_values("param_distance_last")
         if len(near):
             r = near.iloc[0]
             s.append(f"{r.source} comes closest (repeats part first in {r.first_divergence_stage} and end "

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from detrl.determinism import PRESETS, flipped, preset
+from detrl.determinism import label as det_label
 from detrl.fingerprint import DRIFT_FILE
 
 _NOT_CELL = ("repeat", "experiment", "logger", "hydra", "run_dir", "resume", "checkpoint")
@@ -68,15 +68,6 @@ def cell_of(overrides: list[str]) -> str:
     return ",".join(sorted(_SHORT.get(o.lower(), o) for o in keep)) or "default"
 
 
-def determinism_label(det: dict) -> str | None:
-    """The preset name, plus each source set away from it: "on", "off", "on-kernels=default" (a config without
-    per-source keys, from before they existed, is its preset)."""
-    name = det.get("name")
-    if name not in PRESETS:
-        return name
-    return "-".join([name, *flipped({s: det.get(s, v) for s, v in preset(name).items()}, name)])
-
-
 def _info(run: str, path: str, overrides: list[str], cfg: dict, rows: list[dict], done: bool) -> dict:
     repeat = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("repeat=")), cfg.get("repeat", 0))
     return {
@@ -84,7 +75,7 @@ def _info(run: str, path: str, overrides: list[str], cfg: dict, rows: list[dict]
         "status": "complete" if done and len(rows) == cfg.get("steps", len(rows)) else "incomplete",
         "steps_logged": len(rows), "steps_expected": cfg.get("steps"),
         "model": (cfg.get("model") or {}).get("name"), "algo": (cfg.get("algo") or {}).get("name"),
-        "determinism": determinism_label(cfg.get("determinism") or {}),
+        "determinism": det_label(cfg.get("determinism") or {}),
         "partial": ((cfg.get("rollout") or {}).get("partial") or {}).get("enabled"),
     }
 

@@ -17,9 +17,9 @@ import random
 import signal
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,7 +144,7 @@ class Task:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
-        if self.eval_task is not None:
+        if self.eval_task is not None and self.eval_task is not self:
             self.eval_task.close()
 
     def __getstate__(self) -> dict:

@@ -64,7 +64,9 @@ def sequence_logprobs(model, input_ids: torch.Tensor, mask: torch.Tensor, ops, c
     weights = model if isinstance(model, Weights) else fuse(model, ops.dtype)  # compute-dtype copies on GPUs
     if experts is not None:  # the last position scores nothing: its own routing
         experts = F.pad(experts, (0, 0, 0, 0, 0, 1), value=-1)  # [N, L, layers, k]
-    hidden, chosen = forward(weights, input_ids, ops, ctx_len, rope, head=False, experts=experts, routes=True)
+    hidden = forward(weights, input_ids, ops, ctx_len, rope, head=False, experts=experts, routes=routes)
+    if routes:
+        hidden, chosen = hidden
     hidden = hidden[:, :-1]  # [N, L-1, H]
     w = weights.lm_head
     idx = mask.reshape(-1).nonzero().squeeze(-1)  # [M] flat positions of the scored tokens

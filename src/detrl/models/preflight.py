@@ -137,7 +137,7 @@ def _driver_version() -> str:
 
 
 def numerics_contract(det, model, ctx_len: int, rope) -> dict:
-    """Before step 0. determinism=on: `require` with the run's ops (raises PreflightError) and the negative
+    """Before step 0. determinism.kernels=batch_invariant: `require` with the run's ops (raises PreflightError) and the negative
     control with the device's default ops; off: nothing is checked. -> the run's numerics contract (JSON-able)."""
     import torch
 
@@ -151,7 +151,6 @@ def numerics_contract(det, model, ctx_len: int, rope) -> dict:
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "kernels": {f: getattr(getattr(det.ops, f), "__qualname__", repr(getattr(det.ops, f)))
                     for f in ("linear", "norm", "attention", "silu", "route", "moe")},
-        "gemm_rows_checked": list(ROWS["cuda" if dev.type == "cuda" else "cpu"]),
     }
     if dev.type == "cuda":
         contract["driver"] = _driver_version()
@@ -173,4 +172,5 @@ def numerics_contract(det, model, ctx_len: int, rope) -> dict:
         control = dataclasses.replace(control, dtype=det.ops.dtype)
     found = negative_control(weights, control, ctx_len, rope)
     return {**contract, "preflight": "passed: rows and prefill/decode phases bitwise equal",
+            "gemm_rows_checked": list(ROWS["cuda" if dev.type == "cuda" else "cpu"]),
             "negative_control": found or ["found nothing: on this device the check may be blind"]}

@@ -4,8 +4,8 @@ Same interface and routing semantics as `rollout.embedded.EmbeddedEngine` (`gene
 close`, `generator`, `batch_log`), on one device:
 - weights: the engine's own copy of the fused weights in the compute dtype, on the device;
   `update_weights` copies the trainer's tensors into it on the device (no host round trip);
-- batches: fixed routing (determinism on) cuts the requests, in submission order, into the fewest
-  near-equal batches of <= max_batch_size and returns results in submission order; dynamic routing (off)
+- batches: fixed routing (determinism.routing=fixed) cuts the requests, in submission order, into the fewest
+  near-equal batches of <= max_batch_size and returns results in submission order; dynamic routing
   fills batches with prompt groups in arrival order and returns each batch's results in completion
   order (rows that stopped earlier first), as a continuous-batching server does;
 - a batch runs at the next bucket size (powers of two; extra rows are idle and never returned) with a

@@ -5,9 +5,9 @@ Like a serving engine with data-parallel replicas and dynamic batching: `generat
 decode step is many small ops, and threads serialise on the GIL: measured, two threads ran two batches
 slower than one thread ran them in turn). Each runs a KV-cache sampler over the functional Qwen3
 forward on batches of up to `max_batch_size` requests, reading the policy weights from shared memory
-that `update_weights` overwrites in place. With `fixed_routing` (determinism on) the requests, in
+that `update_weights` overwrites in place. With `fixed_routing` (determinism.routing=fixed) the requests, in
 submission order, are cut into near-equal batches, as many as keep every worker busy, and batch j
-goes to worker j mod num_workers. Without it (off) prompt groups go to a shared queue, a free worker
+goes to worker j mod num_workers. Without it (dynamic) prompt groups go to a shared queue, a free worker
 takes what arrives within a short batching window (first free, dynamic batch composition), and
 results come back in completion order. Unseeded requests draw from the serving worker's own stream,
 reseeded at each call from the engine's `generator` (the state a checkpoint saves).
@@ -42,7 +42,7 @@ class Sampler:
     def __init__(self, weights: Weights, ops: Ops, ctx_len: int, params: SamplingParams,
                  generator: torch.Generator | None, abort):
         self.weights, self.ops, self.ctx_len, self.params = weights, ops, ctx_len, params
-        self.rope = rope_tables(weights.config, ctx_len)
+        self.rope = rope_tables(weights.config, ctx_len, dtype=weights.embed.dtype)  # the trainer's: the compute dtype
         self.generator = generator
         self.abort = abort  # set: a running batch stops at its next token
 
@@ -70,7 +70,7 @@ class Sampler:
         seeds = torch.tensor([r.seed for r in requests]) if all(seeded) else None
         stops = torch.tensor(p.stop_token_ids) if p.stop_token_ids else None
 
-        cache = KVCache.empty(self.weights.config, b, self.ctx_len)
+        cache = KVCache.empty(self.weights.config, b, self.ctx_len, self.weights.embed.dtype)
         last, ids = forward(self.weights, prompts, self.ops, self.ctx_len, self.rope, cache=cache, last=lens - 1,
                             routes=True)  # [B, V]; MoE: [B, P, layers, k] (dense: None)
         route = None if ids is None else ids[torch.arange(b), lens - 1]  # [B, layers, k]: the pass sampling next
@@ -209,7 +209,8 @@ class EmbeddedEngine:
         self.batch_window_s = batch_window_s
         self.deterministic = torch.are_deterministic_algorithms_enabled()  # set by determinism.setup; workers copy it
         # the weights the workers read: shared memory, overwritten in place at each sync
-        self.weights = fuse(self.model).map(lambda t: t.detach().clone().share_memory_())
+        # in the compute dtype (ops.dtype: bf16 copies of float32 masters), as the trainer's forward fuses them
+        self.weights = fuse(self.model, ops.dtype).map(lambda t: t.detach().clone().share_memory_())
         self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)
         self._ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
         self._abort = self._ctx.Event()  # set: running batches stop at their next token, queued ones are not run
@@ -220,7 +221,7 @@ class EmbeddedEngine:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict)
-        self.weights.copy_(fuse(self.model))
+        self.weights.copy_(fuse(self.model, self.ops.dtype))
 
     def run_batch(self, requests: list[Request]) -> list[Result]:
         """One engine batch in this process (what a worker runs), in request order."""
