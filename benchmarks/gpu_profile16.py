@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
-from gpu import NEW, prompts, random_model  # noqa: E402
+from gpu import NEW, prompts, random_model, timed  # noqa: E402
 
 from detrl import determinism as det_mod  # noqa: E402
 from detrl.config import register_configs  # noqa: E402
@@ -48,12 +47,9 @@ def main() -> None:
                 for i, p in enumerate(prompts(args.batch))]
         eng = CudaEngine(model, det.ops, ctx, SamplingParams(1.0, 1.0, NEW, ()), seed=0, max_batch_size=args.batch,
                          fixed_routing=det.fixed_routing, dtype=torch.bfloat16)
-        eng.generate(reqs)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        eng.generate(reqs)
-        torch.cuda.synchronize()
-        print(f"[{mode}] {det.ops.name}: {(time.perf_counter() - t0) / NEW * 1e3:.3f} ms per decode step "
+        eng.generate(reqs)  # warm: captures the graphs
+        step_ms = timed(lambda eng=eng, reqs=reqs: eng.generate(reqs)) / NEW * 1e3
+        print(f"[{mode}] {det.ops.name}: {step_ms:.3f} ms per decode step "
               f"(batch {args.batch}, graphs)", flush=True)
         if not args.no_profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -72,13 +68,8 @@ def main() -> None:
             (tok.sum() + 0.01 * ent.sum()).backward()
             model.zero_grad(set_to_none=True)
 
-        fwd_bwd()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fwd_bwd()
-        torch.cuda.synchronize()
-        print(f"[{mode}] trainer logprobs fwd+bwd {args.batch}x{ctx}: {(time.perf_counter() - t0) * 1e3:.1f} ms",
-              flush=True)
+        fwd_bwd()  # warm
+        print(f"[{mode}] trainer logprobs fwd+bwd {args.batch}x{ctx}: {timed(fwd_bwd) * 1e3:.1f} ms", flush=True)
         if not args.no_profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 fwd_bwd()

@@ -113,10 +113,11 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
             ref_logp = torch.zeros_like(batch.mask)
         for sl in mine:
             ids, mask = batch.input_ids[sl], batch.mask[sl]
-            old_trainer[sl], ent[sl], own = sequence_logprobs(model, ids, mask, ops, ctx_len, rope, temp, entropy=True,
-                                                              experts=replayed(sl), routes=True)
+            out = sequence_logprobs(model, ids, mask, ops, ctx_len, rope, temp, entropy=True, experts=replayed(sl),
+                                    routes=agree is not None)  # the router's own ids only when there are some to compare
+            old_trainer[sl], ent[sl] = out[:2]
             if agree is not None:
-                agree[sl] = layer_agreement(own, recorded[sl])
+                agree[sl] = layer_agreement(out[2], recorded[sl])
             if ref_model is not None:
                 ref_logp[sl], _ = sequence_logprobs(ref_model, ids, mask, ops, ctx_len, rope, temp)
     old_trainer, ent, ref_logp, agree = dp.gather_rows([old_trainer, ent, ref_logp, agree], mine)

@@ -42,10 +42,10 @@ def kind_of(ablation: str) -> tuple[str, str | None]:
     return "reference", None
 
 
-def reference_of(ablation: str, preset: str = "on") -> str:
-    """The all-on (or all-off) cell an ablation cell is read against: the partial-rollout pair for the cut."""
+def reference_of(ablation: str) -> str:
+    """The all-on cell an ablation cell is read against: the partial-rollout one for the cut."""
     partial = ablation.endswith("_partial") or ablation in ("no_cut", "only_cut")
-    return f"all_{preset}" + ("_partial" if partial else "")
+    return "all_on_partial" if partial else "all_on"
 
 
 def _interval(x: np.ndarray, seed: int = 0) -> tuple[float, float]:

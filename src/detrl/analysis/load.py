@@ -34,6 +34,13 @@ class Sweep:
     rows: dict[str, list[dict]]  # run -> its metrics rows, for fingerprint comparisons
     drift: dict[str, dict[int, dict]] = field(default_factory=dict)  # run -> step -> drift record (sketches)
     source: str = "local"  # "local" | "wandb"
+    memo: dict = field(default_factory=dict, repr=False, compare=False)  # tables derived once per loaded sweep
+
+
+def _yaml(text: str):
+    """yaml.safe_load with libyaml's parser where PyYAML has it (the same result; ~10x faster on a sweep's
+    configs, which dominated loading a 108-run sweep)."""
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -99,9 +106,9 @@ def load_local(sweep_dir: str | Path) -> Sweep:
     runs = []
     for d in run_dirs:
         over_file = d / ".hydra" / "overrides.yaml"
-        overrides = (yaml.safe_load(over_file.read_text()) or []) if over_file.is_file() else []
+        overrides = (_yaml(over_file.read_text()) or []) if over_file.is_file() else []
         cfg_file = d / "config.yaml"
-        cfg = (yaml.safe_load(cfg_file.read_text()) or {}) if cfg_file.is_file() else {}
+        cfg = (_yaml(cfg_file.read_text()) or {}) if cfg_file.is_file() else {}
         rows = load_metrics(d)
         runs.append((_info(d.name, str(d), overrides, cfg, rows, (d / "summary.json").is_file()), rows, load_drift(d)))
     return _assemble(sweep_dir, runs, "local")

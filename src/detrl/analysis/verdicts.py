@@ -69,7 +69,13 @@ def verdicts(sweep: Sweep) -> pd.DataFrame:
     """Per cell: complete repeats, distinct trajectories, the first divergence over all pairs of repeats
     (step, first stage in pipeline order, and every stage that differs at that step), and the cell's reward,
     step time (median over runs of each run's median), trainer/rollout mismatch and the parameter distance
-    between repeats at the last step."""
+    between repeats at the last step. Computed once per loaded sweep (every figure and the summary read it)."""
+    if "verdicts" not in sweep.memo:
+        sweep.memo["verdicts"] = _verdicts(sweep)
+    return sweep.memo["verdicts"].copy()
+
+
+def _verdicts(sweep: Sweep) -> pd.DataFrame:
     from detrl.analysis.drift import distances
 
     dist = distances(sweep, "param")
