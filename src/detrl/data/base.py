@@ -140,9 +140,10 @@ class Task:
         return self._executor
 
     def close(self) -> None:
-        """Stop the scoring processes, if any (the task still scores, in-process or with a new pool)."""
+        """Stop the scoring processes, if any, and wait for them to exit (they are idle between groups; a hung
+        reward ends at its timeout). The task still scores afterwards, in-process or with a new pool."""
         if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
         if self.eval_task is not None and self.eval_task is not self:
             self.eval_task.close()
