@@ -1,6 +1,7 @@
 """detrl on one GPU: the CUDA engine vs transformers `generate`, the trainer step, and one GRPO step vs TRL.
 
-    python benchmarks/gpu.py [--out DIR] [--sections rollout,grpo,trl,engine,onoff,grpo_onoff,grpo_moe] [--hf-moe-tokens 32]
+    python benchmarks/gpu.py [--out DIR] [--sections targets,generate,rollout,grpo,trl,engine,onoff,grpo_onoff,grpo_moe]
+                             [--hf-moe-tokens 32]
 
 Models: Qwen3-0.6B's shape (conf/model/qwen3_0p6b.yaml) and Qwen3-30B-A3B's layer shape with 6 layers
 (conf/model/qwen3_moe_a3b_6l.yaml), random init, bf16 compute (float32 master weights in the trainer).
@@ -8,17 +9,23 @@ Models: Qwen3-0.6B's shape (conf/model/qwen3_0p6b.yaml) and Qwen3-30B-A3B's laye
   the engine (determinism off: unseeded sampling, torch kernels, CUDA-graph decode) vs
   `model.generate(do_sample=True, top_k=0, top_p=1.0)` on a bf16 copy, same process, same prompts.
 - grpo: detrl's `train()` on 8 prompts x 8 samples x 256 new tokens (GRPO, no reference model, one optimizer
-  step per batch, determinism off); per-step times from its metrics (rollout, update, params fingerprint).
+  step per batch, determinism off; `algo.old_logprobs=current`: the old logprobs from the gradient pass, as TRL
+  at num_iterations=1); per-step times from its metrics (rollout, update, params fingerprint).
+- generate: `generate` alone at batch 64, first in its process (the control for the side-by-side rows; both
+  run under torch's default flags, not detrl's determinism flags).
 - onoff (issue 16): determinism on vs off side by side, like with like: the engine (on: the batch-invariant
   Triton op set, fixed routing, per-sample seeds, CUDA graphs; off: torch's kernels compiled, dynamic routing,
   unseeded) on both shapes, and `train()`'s GRPO step on the 0.6B shape under each mode.
 - trl: TRL 1.16 GRPOTrainer on the same work (use_vllm=False, bf16, no gradient checkpointing, beta 0).
+- targets: what issues 15 and 16 measure, side by side in one process: the 0.6B engine (off) vs generate at batch
+  64, the engines on vs off (0.6B at 64 and 256, MoE at 64), the GRPO step off and on, and TRL's step.
 Writes results.json and table.md into --out and prints the table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -44,6 +51,8 @@ CONF = str(ROOT / "conf")
 DENSE, MOE = "qwen3_0p6b", "qwen3_moe_a3b_6l"
 PROMPTS, SAMPLES, NEW = 8, 8, 256
 RESULTS: dict = {}
+# TRL's work at num_iterations=1: the old logprobs are the gradient pass's own (no separate no-grad pass)
+OLD_LOGPROBS = "current"
 
 
 def model_cfg(name: str) -> ModelConfig:
@@ -82,6 +91,46 @@ def timed(fn, repeats: int = 1) -> float:
     return statistics.median(ts)
 
 
+@contextlib.contextmanager
+def torch_defaults():
+    """torch's own global flags (as a fresh process has them) for a peer's code: `generate` must not run under
+    detrl's determinism flags (cudnn.benchmark autotunes every new shape, and generate's cache grows each step)."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
+             torch.backends.cudnn.deterministic, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, False
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cuda.matmul.allow_tf32,
+         torch.backends.cudnn.allow_tf32) = saved[1:]
+
+
+def generate_tok_s(hf, b: int, tokens: int) -> tuple[float, float, float]:
+    """transformers `generate(do_sample=True)` on b prompts x `tokens` new tokens, under torch's default flags:
+    -> (tok/s, seconds, peak GiB)."""
+    ids = torch.tensor(prompts(b), device="cuda")
+    kw = dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=tokens, min_new_tokens=tokens,
+              pad_token_id=0, eos_token_id=None)
+    with torch_defaults():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        torch.cuda.reset_peak_memory_stats()
+        s = timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), **kw))
+    return b * tokens / s, s, torch.cuda.max_memory_allocated() / 2**30
+
+
+def generate_section(name: str, batches: list[int], tokens: int) -> None:
+    """`generate` alone, first thing in a fresh process: the control for the side-by-side rollout rows."""
+    hf = random_model(name).to(torch.bfloat16)
+    for b in batches:
+        tps, s, mem = generate_tok_s(hf, b, tokens)
+        RESULTS[f"generate/{name}/b{b}"] = dict(generate_s=s, generate_tok_s=tps, generate_new_tokens=tokens,
+                                                generate_peak_gib=mem)
+        print(f"generate alone {name} b={b}: {tps:,.0f} tok/s ({s:.2f} s for {tokens} tokens)", flush=True)
+
+
 def rollout_section(name: str, batches: list[int], hf_tokens: int, determinism: str = "off") -> None:
     """hf_tokens 0: the engine alone. determinism on: the batch-invariant op set, fixed routing and per-sample
     seeds (as `train()` runs the engine under on); off: torch's kernels, dynamic routing, unseeded."""
@@ -114,14 +163,8 @@ def rollout_section(name: str, batches: list[int], hf_tokens: int, determinism: 
               f"peak {eng_mem:.1f} GiB", flush=True)
         if not hf_tokens:
             continue
-        ids = torch.tensor(prompts(b), device="cuda")
-        kw = dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=hf_tokens,
-                  min_new_tokens=hf_tokens, pad_token_id=0, eos_token_id=None)
-        hf.generate(ids, attention_mask=torch.ones_like(ids), **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        torch.cuda.reset_peak_memory_stats()
-        hf_s = timed(lambda ids=ids, kw=kw: hf.generate(ids, attention_mask=torch.ones_like(ids), **kw))
-        hf_mem = torch.cuda.max_memory_allocated() / 2**30
-        eng_tps, hf_tps = b * NEW / eng_s, b * hf_tokens / hf_s
+        hf_tps, hf_s, hf_mem = generate_tok_s(hf, b, hf_tokens)
+        eng_tps = b * NEW / eng_s
         RESULTS[f"rollout/{name}/b{b}"] = dict(
             engine_s=eng_s, engine_tok_s=eng_tps, engine_first_call_s=capture_s, engine_peak_gib=eng_mem,
             generate_s=hf_s, generate_tok_s=hf_tps, generate_new_tokens=hf_tokens, generate_peak_gib=hf_mem,
@@ -139,7 +182,7 @@ def grpo_section(name: str, steps: int, out: Path, determinism: str = "off") -> 
             f"model={name}", "device=cuda", f"determinism={determinism}", f"steps={steps}",
             f"train_batch_size={PROMPTS}", f"rollout.n={SAMPLES}", f"rollout.max_new_tokens={NEW}",
             "rollout.max_batch_size=256", "algo.use_kl_loss=false", "seed=0", f"micro_batch_size={PROMPTS * SAMPLES}",
-            "logger=none", "checkpoint.save_final=false", "lr=1e-6"]))
+            "logger=none", "checkpoint.save_final=false", "lr=1e-6", f"algo.old_logprobs={OLD_LOGPROBS}"]))
     torch.cuda.reset_peak_memory_stats()
     run = out / f"grpo_{name}_{determinism}"
     train(cfg, run)
@@ -271,6 +314,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     sections = args.sections.split(",")
     jobs = []  # the targets first: the GRPO step vs TRL, then the rollout tables
+    if "targets" in sections:  # issues 15 and 16 side by side: decode vs generate, on vs off, the step vs TRL
+        jobs += [lambda: rollout_section(DENSE, [64], NEW, "off"), lambda: rollout_section(DENSE, [256], 0, "off"),
+                 lambda: rollout_section(DENSE, [64, 256], 0, "on"), lambda: rollout_section(MOE, [64], 0, "off"),
+                 lambda: rollout_section(MOE, [64], 0, "on"), lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
+                 lambda: grpo_section(DENSE, args.grpo_steps, out, "on"), lambda: trl_section(DENSE, 4, out)]
+    if "generate" in sections:  # the control: generate alone, before anything of detrl's runs in this process
+        jobs += [lambda: generate_section(DENSE, [64], NEW)]
     if "grpo" in sections:
         jobs += [lambda: grpo_section(DENSE, args.grpo_steps, out)]
     if "trl" in sections:

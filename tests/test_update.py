@@ -116,3 +116,37 @@ def test_chunked_logprobs_are_the_full_paths_bits_under_batch_invariant_ops(mode
             assert torch.equal(lp, full * batch.mask)
             want = -(dist.exp() * dist).sum(-1) * batch.mask
             torch.testing.assert_close(ent, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("stale", ["keep", "mask", "rescore"])
+def test_old_logprobs_current_gives_the_recompute_passes_bits_under_batch_invariant_ops(stale):
+    """algo.old_logprobs=current skips the old pass and takes each micro-batch's gradient-pass logprobs: at one
+    epoch of one mini-batch these are the same weights, so under `on` the gradients and every metric are the
+    bits of the separate pass (stale partial tokens included: versions -1 on some rows)."""
+    from detrl.trainer import update
+
+    model = build_model(ModelConfig(), seed=0)
+    ref = build_model(ModelConfig(), seed=1).requires_grad_(False)
+    batch, adv = _batch()
+    batch.versions[::3] = torch.where(batch.mask[::3] > 0, -1, batch.versions[::3])  # stale rows
+    batch.rollout_logp = -torch.rand(batch.mask.shape, generator=torch.Generator().manual_seed(1)) * batch.mask
+    rope = rope_tables(model.config, L)
+    runs = {}
+    for old in ("recompute", "current"):
+        cfg = _cfg("micro_batch_size=3", "algo.kl_loss_coef=0.1", f"algo.old_logprobs={old}",
+                   f"rollout.partial.stale_tokens={stale}")
+        opt = _Recorder(model.parameters())
+        runs[old] = opt.grads, update(model, ref, opt, batch, adv, cfg, BATCH_INVARIANT_OPS, L, rope, version=0)
+    (g_re, m_re), (g_cur, m_cur) = runs["recompute"], runs["current"]
+    assert all(torch.equal(a, b) for a, b in zip(g_re[0], g_cur[0], strict=True))
+    assert m_re == m_cur
+    assert m_re["mismatch/train_rollout_logprob_abs_diff"] > 0 and m_re["actor/entropy"] > 0  # not vacuous
+
+
+def test_old_logprobs_current_needs_one_update_per_batch():
+    from detrl.config import ConfigError
+
+    for bad, field in (("algo.ppo_epochs=2", "algo.ppo_epochs"), ("algo.ppo_mini_batch_size=1", "algo.ppo_mini_batch_size"),
+                       ("algo.rollout_correction=tis", "algo.rollout_correction")):
+        with pytest.raises(ConfigError, match=rf"^{field}="):
+            make_cfg("train_batch_size=2", "algo.old_logprobs=current", bad)

@@ -103,6 +103,10 @@ class AlgoConfig:
     loss_scale_factor: int | None = None
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n sequences), as verl; 0 or >= train_batch_size = the whole batch
     ppo_epochs: int = 1  # passes over the rollout batch
+    # the clip ratio's old logprobs: recompute = a no-grad pass before any update (verl's old_log_prob) | current =
+    # the gradient pass's own, detached (TRL and OpenRLHF at one epoch of one mini-batch, where the two are the
+    # same weights: one forward less a step); current needs ppo_epochs=1, one mini-batch, rollout_correction=none
+    old_logprobs: str = "recompute"
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     # trainer/rollout mismatch correction of the policy loss: none | tis (truncated IS) | mis (masked IS, IcePop);
@@ -345,6 +349,13 @@ def validate(cfg: TrainConfig) -> None:
     _check(mini >= 0 and (mini == 0 or mini >= cfg.train_batch_size or cfg.train_batch_size % mini == 0),
            "algo.ppo_mini_batch_size", mini,
            f"must divide train_batch_size={cfg.train_batch_size} (prompts; 0 or >= it = the whole batch)")
+    _choice("algo.old_logprobs", a.old_logprobs, ("recompute", "current"))
+    if a.old_logprobs == "current":
+        _check(a.ppo_epochs == 1, "algo.ppo_epochs", a.ppo_epochs, "must be 1 with algo.old_logprobs=current")
+        _check(mini == 0 or mini >= cfg.train_batch_size, "algo.ppo_mini_batch_size", mini,
+               f"must be 0 or >= train_batch_size={cfg.train_batch_size} (one mini-batch) with algo.old_logprobs=current")
+        _check(a.rollout_correction == "none", "algo.rollout_correction", a.rollout_correction,
+               "must be none with algo.old_logprobs=current (its weights need every old logprob before the loss)")
     _check(cfg.determinism.name in ("on", "off"), "determinism", cfg.determinism.name, "choose one of ['on', 'off']")
     _choice("rollout.backend", r.backend, ROLLOUT_BACKENDS)
     from detrl.determinism import check as _check_determinism

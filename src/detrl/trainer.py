@@ -80,6 +80,8 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
 
     1. Old logprobs: one no-grad pass of the policy before any update (verl's old_log_prob), with the
        reference's and the entropy. Stale partial-rollout tokens get theirs from `old_logprobs`.
+       `algo.old_logprobs=current` (one epoch of one mini-batch: the same weights) skips the policy's pass and takes
+       each micro-batch's gradient-pass logprobs, detached, as TRL does: ratio 1, one forward less.
     2. `algo.ppo_epochs` passes over `algo.ppo_mini_batch_size`-prompt mini-batches, in batch order; each
        mini-batch is one optimizer step, its gradient accumulated over `micro_batch_size`-sequence
        micro-batches with the mini-batch's denominators (verl's global batch info).
@@ -107,22 +109,26 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
     def replayed(sl):  # the expert ids the trainer's passes must use (routing replay), or None
         return recorded[sl].long() if a.routing_replay else None
 
+    reuse = a.old_logprobs == "current"
+    stale_mode = cfg.rollout.partial.stale_tokens
     mine = [sl for _, sl in dp.micro_batches(0, n, mb)]
     with torch.no_grad(), distributed.unsharded(model, ref_model):
         if ref_model is not None:
             ref_logp = torch.zeros_like(batch.mask)
         for sl in mine:
             ids, mask = batch.input_ids[sl], batch.mask[sl]
-            out = sequence_logprobs(model, ids, mask, ops, ctx_len, rope, temp, entropy=True, experts=replayed(sl),
-                                    routes=agree is not None)  # the router's own ids only when there are some to compare
-            old_trainer[sl], ent[sl] = out[:2]
-            if agree is not None:
-                agree[sl] = layer_agreement(out[2], recorded[sl])
+            if not reuse:
+                out = sequence_logprobs(model, ids, mask, ops, ctx_len, rope, temp, entropy=True, experts=replayed(sl),
+                                        routes=agree is not None)  # the router's own ids only when there are some
+                old_trainer[sl], ent[sl] = out[:2]
+                if agree is not None:
+                    agree[sl] = layer_agreement(out[2], recorded[sl])
             if ref_model is not None:
                 ref_logp[sl], _ = sequence_logprobs(ref_model, ids, mask, ops, ctx_len, rope, temp)
-    old_trainer, ent, ref_logp, agree = dp.gather_rows([old_trainer, ent, ref_logp, agree], mine)
-    old, train_mask = old_logprobs(cfg.rollout.partial.stale_tokens, old_trainer, batch.rollout_logp, fresh,
-                                   batch.mask)
+    if not reuse:
+        old_trainer, ent, agree = dp.gather_rows([old_trainer, ent, agree], mine)
+    ref_logp = dp.gather_rows([ref_logp], mine)[0]
+    old, train_mask = old_logprobs(stale_mode, old_trainer, batch.rollout_logp, fresh, batch.mask)  # reuse: per micro-batch
     # trainer/rollout mismatch correction (TIS / MIS), weights on the policy loss; ones under determinism=on
     corr_w, _, corr_metrics = rollout_correction(old, batch.rollout_logp, train_mask, a.rollout_correction,
                                                  **vars(a.rollout_corr))
@@ -144,10 +150,19 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
             distributed.unshard(model)  # FSDP2: the full weights for the functional forward (else a no-op)
             for key, sl in dp.micro_batches(start, stop, mb):
                 mask = train_mask[sl]
-                if not mask.any():
+                if not mask.any() and not reuse:
                     continue
-                logp, ent_g = sequence_logprobs(model, batch.input_ids[sl], mask, ops, ctx_len, rope, temp,
-                                                entropy=bool(a.entropy_coeff), experts=replayed(sl))
+                scored = batch.mask[sl] if reuse else mask  # reuse: every response token's old logprob (metrics)
+                out = sequence_logprobs(model, batch.input_ids[sl], scored, ops, ctx_len, rope, temp,
+                                        entropy=bool(a.entropy_coeff) or reuse, experts=replayed(sl),
+                                        routes=reuse and agree is not None)
+                logp, ent_g = out[:2]
+                if reuse:  # this micro-batch's old logprobs: its own, detached (the weights have not moved yet)
+                    old_trainer[sl], ent[sl] = logp.detach(), ent_g.detach()
+                    if agree is not None:
+                        agree[sl] = layer_agreement(out[2], recorded[sl])
+                    old[sl] = old_logprobs(stale_mode, old_trainer[sl], batch.rollout_logp[sl], fresh[sl],
+                                           batch.mask[sl])[0]
                 tok_adv = adv[sl, None].expand_as(logp)  # [n, L-1]
                 pg, m = compute_policy_loss(logp, old[sl], tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high,
                                             a.clip_ratio_c)
@@ -166,6 +181,8 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
                 records.append((key, {**rec, **{k: m[k].item() * share
                                                 for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}}))
             grad_norm = dp.reduce(model, cfg.grad_clip)  # this rank's gradient shards, clipped
+            if reuse:
+                old_trainer, ent, agree = dp.gather_rows([old_trainer, ent, agree], mine)
             distributed.reshard(model)
             for rec in dp.gather_records(records):
                 for k, v in rec.items():
@@ -175,6 +192,10 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
                 per_step[k].append(v)
             per_step["grad_norm"].append(float(grad_norm))
     opt.zero_grad(set_to_none=True)
+    if reuse:  # the correction's diagnostics, now that every old logprob is known (its weights were ones: none)
+        old = old_logprobs(stale_mode, old_trainer, batch.rollout_logp, fresh, batch.mask)[0]
+        corr_metrics = rollout_correction(old, batch.rollout_logp, train_mask, a.rollout_correction,
+                                          **vars(a.rollout_corr))[2]
     # --- mismatch: the trainer's old logprobs vs the engine's, same weights (fresh tokens)
     f = fresh > 0
     d = (old_trainer - batch.rollout_logp)[f]

@@ -126,7 +126,12 @@ def layer_pre(h, input_norm, qkv_w, qk_norm, cos, sin, ops: Ops, heads: int, hd:
     """The first half of a layer: input norm, the q/k/v gemm, q/k norms, rope. -> q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
     b, t, _ = h.shape
     qkv = ops.linear(ops.norm(h, input_norm, eps), qkv_w).view(b, t, -1, hd)  # [B, T, Hq + 2 Hkv, D]
-    qk = _rope(ops.norm(qkv[:, :, : qk_norm.shape[0]], qk_norm, eps), cos, sin).transpose(1, 2)  # [B, Hq+Hkv, T, D]
+    heads_qk = qkv[:, :, : qk_norm.shape[0]]
+    if ops.norm_rope is not None:
+        qk = ops.norm_rope(heads_qk, qk_norm, eps, cos, sin)
+    else:
+        qk = _rope(ops.norm(heads_qk, qk_norm, eps), cos, sin)
+    qk = qk.transpose(1, 2)  # [B, Hq+Hkv, T, D]
     return qk[:, :heads], qk[:, heads:], qkv[:, :, qk_norm.shape[0] :].transpose(1, 2)
 
 
@@ -139,7 +144,7 @@ def layer_post(h, q, keys, values, mask, o_w, post_norm, gate_up, down, router, 
     """
     b, t, _ = h.shape
     out = ops.attention(q, keys, values, mask, hd**-0.5)  # [B, Hq, T, D] (grouped-query: Hq = rep x Hkv)
-    h = h + ops.linear(out.transpose(1, 2).reshape(b, t, -1), o_w)
+    h = _add_linear(ops, h, out.transpose(1, 2).reshape(b, t, -1), o_w)
     x = ops.norm(h, post_norm, eps)
     if router is not None:  # Qwen3-MoE sparse block
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
@@ -150,8 +155,18 @@ def layer_post(h, q, keys, values, mask, o_w, post_norm, gate_up, down, router, 
             used = torch.where(forced >= 0, forced, top_i)
             top_w = routing_weights(logits, used, norm_topk_prob)
         return h + ops.moe(flat, top_w, used, gate_up, down, ops.linear, ops.silu).view_as(x), top_i
-    gate, up = ops.linear(x, gate_up).chunk(2, dim=-1)
-    return h + ops.linear(ops.silu(gate) * up, down), None
+    both = ops.linear(x, gate_up)  # [B, T, 2I]: gate | up
+    if ops.silu_mul is not None:
+        act = ops.silu_mul(both)
+    else:
+        gate, up = both.chunk(2, dim=-1)
+        act = ops.silu(gate) * up
+    return _add_linear(ops, h, act, down), None
+
+
+def _add_linear(ops: Ops, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The residual h + linear(x, w), in one fused kernel where the op set has one."""
+    return h + ops.linear(x, w) if ops.linear_add is None else ops.linear_add(x, w, h)
 
 
 def write_slots(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

@@ -243,7 +243,10 @@ def _triton(name: str) -> Callable:
 @dataclass(frozen=True)
 class Ops:
     """A forward's numerics: the kernels (norm: RMSNorm), the MoE dispatch, the compute dtype of the weights (None: the
-    model's own) and whether the trainer recomputes each layer in the backward (activation checkpointing)."""
+    model's own) and whether the trainer recomputes each layer in the backward (activation checkpointing).
+    Fused kernels where a set has them (None: the forward composes the ops above): linear_add(x, w, r) = r +
+    linear(x, w); silu_mul(x) = silu(gate) * up of x = [gate | up]; norm_rope(x, w, eps, cos, sin) = the q/k
+    heads' norm then rope."""
 
     name: str
     linear: Callable
@@ -254,6 +257,9 @@ class Ops:
     norm: Callable = rms_norm
     dtype: torch.dtype | None = None
     checkpoint: bool = False
+    linear_add: Callable | None = None
+    silu_mul: Callable | None = None
+    norm_rope: Callable | None = None
 
 
 DEFAULT_OPS = Ops("default", F.linear, F.silu, sdpa_attention, route_topk)
@@ -262,4 +268,5 @@ BATCH_INVARIANT_OPS = Ops("batch_invariant", bi_linear, bi_silu, bi_attention, r
 CUDA_DEFAULT_OPS = Ops("cuda_default", F.linear, F.silu, cuda_attention, route_topk, moe=grouped_moe)
 # CUDA, determinism on: batch-invariant Triton kernels (F.silu is elementwise: invariant as it is)
 CUDA_INVARIANT_OPS = Ops("cuda_invariant", _triton("linear"), F.silu, _triton("attention"), route,
-                         moe=_triton("moe"), norm=_triton("rms_norm"))
+                         moe=_triton("moe"), norm=_triton("rms_norm"), linear_add=_triton("linear_add"),
+                         silu_mul=_triton("silu_mul"), norm_rope=_triton("norm_rope"))

@@ -19,6 +19,7 @@ close`, `generator`, `batch_log`), on one device:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -80,8 +81,9 @@ class CudaEngine:
         if compile:
             self._sample = torch.compile(_sample_step, dynamic=False)
             self._stages = (torch.compile(layer_pre, dynamic=False), torch.compile(layer_post, dynamic=False))
-        else:
-            self._sample, self._stages = _sample_step, (layer_pre, layer_post)
+        else:  # the logprobs stay eager (the trainer's bits); the draw from them is compiled on CUDA either way
+            draw = torch.compile(_draw, dynamic=False) if self.device.type == "cuda" else _draw
+            self._sample, self._stages = functools.partial(_sample_step, draw=draw), (layer_pre, layer_post)
         self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)
         self.batch_log: list[tuple[int, tuple[tuple[int, int], ...]]] = []
         self._slots: dict[int, _Slot] = {}
@@ -205,7 +207,10 @@ class CudaEngine:
         return step
 
     def _capture(self, s: _Slot, step) -> torch.cuda.CUDAGraph:
+        """Capture one decode step. Its warm-up steps draw from CUDA's stream: the stream is put back after, so a
+        call that captures samples what the same call replaying an earlier capture would."""
         saved = [x.clone() for x in (s.last, s.pos, s.t, s.stopped, s.done)]
+        rng = torch.cuda.get_rng_state(self.device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -217,6 +222,7 @@ class CudaEngine:
             step()
         for x, v in zip((s.last, s.pos, s.t, s.stopped, s.done), saved):
             x.copy_(v)
+        torch.cuda.set_rng_state(rng, self.device)
         return graph
 
     def _slot(self, bb: int) -> _Slot:
@@ -236,16 +242,23 @@ class CudaEngine:
         return self._slots[bb]
 
 
+def _draw(logp: torch.Tensor, pos, key, seeded: bool, top_p: float) -> torch.Tensor:
+    """The token each row samples from logp [B, V]: Gumbel-max with hashed (seeded) or stream noise. Exact integer
+    hashing and comparisons, so compiling it (one fused kernel instead of ~20 over [B, V]) keeps the draws
+    reproducible; the recorded logprobs are not computed here."""
+    if seeded:
+        noise = hashed_gumbel(None, pos, logp.shape[-1], key=key)  # [B, V] float64
+    else:
+        noise = gumbel(torch.rand(logp.shape, device=logp.device, dtype=torch.float64).clamp_min(1e-300))
+    return sample(logp, noise, top_p)  # [B]
+
+
 def _sample_step(temperature: float, top_p: float, seeded: bool, last, pos, t, key, limit, stops, stopped, done,
-                 tokens, logps) -> torch.Tensor:
+                 tokens, logps, draw=_draw) -> torch.Tensor:
     """Sample the token at `pos` from `last` [B, V], record it and its logprob at column t, update the stop
     flags. Every tensor argument is a static buffer, updated in place (graph-capturable, no host sync)."""
     logp = log_probs(last, temperature)  # [B, V] float32
-    if seeded:
-        noise = hashed_gumbel(None, pos, last.shape[-1], key=key)  # [B, V] float64
-    else:
-        noise = gumbel(torch.rand(logp.shape, device=logp.device, dtype=torch.float64).clamp_min(1e-300))
-    tok = sample(logp, noise, top_p)  # [B]
+    tok = draw(logp, pos, key, seeded, top_p)  # [B]
     col = t.clamp(max=tokens.shape[1] - 1).expand(tok.shape[0], 1)
     write_slots(tokens, 1, col, tok[:, None])
     write_slots(logps, 1, col, logp.gather(-1, tok[:, None]))
