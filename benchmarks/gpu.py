@@ -1,6 +1,6 @@
 """detrl on one GPU: the CUDA engine vs transformers `generate`, the trainer step, and one GRPO step vs TRL.
 
-    python benchmarks/gpu.py [--out DIR] [--sections targets,generate,rollout,grpo,trl,engine,onoff,grpo_onoff,grpo_moe]
+    python benchmarks/gpu.py [--out DIR] [--sections targets,vs_trl,generate,rollout,grpo,trl,engine,onoff,grpo_onoff,grpo_moe]
                              [--hf-moe-tokens 32]
 
 Models: Qwen3-0.6B's shape (conf/model/qwen3_0p6b.yaml) and Qwen3-30B-A3B's layer shape with 6 layers
@@ -17,8 +17,10 @@ Models: Qwen3-0.6B's shape (conf/model/qwen3_0p6b.yaml) and Qwen3-30B-A3B's laye
   Triton op set, fixed routing, per-sample seeds, CUDA graphs; off: torch's kernels compiled, dynamic routing,
   unseeded) on both shapes, and `train()`'s GRPO step on the 0.6B shape under each mode.
 - trl: TRL 1.16 GRPOTrainer on the same work (use_vllm=False, bf16, no gradient checkpointing, beta 0).
-- targets: what issues 15 and 16 measure, side by side in one process: the 0.6B engine (off) vs generate at batch
-  64, the engines on vs off (0.6B at 64 and 256, MoE at 64), the GRPO step off and on, and TRL's step.
+- targets: what issues 15 and 16 measure, in one command: TRL's step first, in a fresh process under torch's
+  default flags (`trl_fresh`), then side by side in this one: the 0.6B engine (off) vs generate at batch 64, the
+  engines on vs off (0.6B at 64 and 256, MoE at 64), the GRPO step off and on (0.6B, and the MoE shape's first
+  2 layers). vs_trl: TRL's step (fresh process) and the 0.6B GRPO step off and on only.
 Writes results.json and table.md into --out and prints the table last.
 """
 
@@ -174,7 +176,8 @@ def rollout_section(name: str, batches: list[int], hf_tokens: int, determinism: 
     engine.close()
 
 
-def grpo_section(name: str, steps: int, out: Path, determinism: str = "off") -> None:
+def grpo_section(name: str, steps: int, out: Path, determinism: str = "off", layers: int | None = None) -> None:
+    """layers: the model's first `layers` layers only (the MoE shape's whole trainer state needs ~60 GiB)."""
     from detrl.trainer import train
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
@@ -182,7 +185,8 @@ def grpo_section(name: str, steps: int, out: Path, determinism: str = "off") -> 
             f"model={name}", "device=cuda", f"determinism={determinism}", f"steps={steps}",
             f"train_batch_size={PROMPTS}", f"rollout.n={SAMPLES}", f"rollout.max_new_tokens={NEW}",
             "rollout.max_batch_size=256", "algo.use_kl_loss=false", "seed=0", f"micro_batch_size={PROMPTS * SAMPLES}",
-            "logger=none", "checkpoint.save_final=false", "lr=1e-6", f"algo.old_logprobs={OLD_LOGPROBS}"]))
+            "logger=none", "checkpoint.save_final=false", "lr=1e-6", f"algo.old_logprobs={OLD_LOGPROBS}",
+            *([f"model.num_hidden_layers={layers}"] if layers else [])]))
     torch.cuda.reset_peak_memory_stats()
     run = out / f"grpo_{name}_{determinism}"
     train(cfg, run)
@@ -193,6 +197,7 @@ def grpo_section(name: str, steps: int, out: Path, determinism: str = "off") -> 
     from detrl.models.build import build_model
 
     fp_s = _fingerprint_time(build_model(cfg.model, seed=0).cuda(), params_digest)
+    name = f"{name}_{layers}l" if layers else name
     later = rows[1:]  # step 1 captures the graphs and warms the allocator
     step = statistics.median(r["timing_s/step"] for r in later)
     roll = statistics.median(r["timing_s/rollout"] for r in later)
@@ -250,12 +255,23 @@ def trl_section(name: str, steps: int, out: Path) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
                           callbacks=[Timer()])
     torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    with torch_defaults():
+        trainer.train()
     peak = torch.cuda.max_memory_allocated() / 2**30
     RESULTS[f"trl/{name}"] = dict(step_s=statistics.median(times[1:]), steps=times, peak_gib=peak,
                                   version=trl.__version__, args_not_default={k: repr(v) for k, v in diff.items()})
     print(f"trl {name}: step {statistics.median(times[1:]):.3f} s, peak {peak:.1f} GiB", flush=True)
     trainer.model = None
+
+
+def trl_fresh(out: Path) -> None:
+    """TRL's step in a fresh process first: nothing of detrl's (torch's determinism flags, the cuBLAS workspace
+    config it sets under `on`, compiled kernels, the allocator) has touched the process TRL is timed in."""
+    import subprocess
+
+    sub = out / "trl_fresh"
+    subprocess.run([sys.executable, __file__, "--sections", "trl", "--out", str(sub)], check=True)
+    RESULTS.update(json.loads((sub / "results.json").read_text()))
 
 
 def table() -> str:
@@ -283,13 +299,13 @@ def table() -> str:
                          f"{v['step_without_fingerprint_s']:.3f} | {vs} | {v['peak_gib']:.1f} |")
     onoff = [(k, v, RESULTS[k + "/on"]) for k, v in RESULTS.items() if k.startswith("engine/") and k + "/on" in RESULTS]
     if onoff:
-        lines += ["", "| engine decode (256 new tokens/seq) | batch | off tok/s | on tok/s | off/on time ratio |",
+        lines += ["", "| engine decode (256 new tokens/seq) | batch | off tok/s | on tok/s | on/off time |",
                   "|---|---|---|---|---|"]
         for k, off, on in onoff:
             _, name, b = k.split("/")
             lines.append(f"| {name} | {b[1:]} | {off['engine_tok_s']:,.0f} | {on['engine_tok_s']:,.0f} | "
                          f"{off['engine_tok_s'] / on['engine_tok_s']:.2f}x |")
-    for name in (DENSE, MOE):
+    for name in dict.fromkeys(k.split("/")[1] for k in RESULTS if k.startswith("grpo/")):
         on, off = RESULTS.get(f"grpo/{name}/on"), RESULTS.get(f"grpo/{name}/off")
         if on and off:
             lines.append(f"\nGRPO step {name}: on/off = {on['step_s'] / off['step_s']:.2f}x (rollout "
@@ -315,10 +331,16 @@ def main() -> None:
     sections = args.sections.split(",")
     jobs = []  # the targets first: the GRPO step vs TRL, then the rollout tables
     if "targets" in sections:  # issues 15 and 16 side by side: decode vs generate, on vs off, the step vs TRL
-        jobs += [lambda: rollout_section(DENSE, [64], NEW, "off"), lambda: rollout_section(DENSE, [256], 0, "off"),
-                 lambda: rollout_section(DENSE, [64, 256], 0, "on"), lambda: rollout_section(MOE, [64], 0, "off"),
-                 lambda: rollout_section(MOE, [64], 0, "on"), lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
-                 lambda: grpo_section(DENSE, args.grpo_steps, out, "on"), lambda: trl_section(DENSE, 4, out)]
+        jobs += [lambda: trl_fresh(out), lambda: rollout_section(DENSE, [64], NEW, "off"),
+                 lambda: rollout_section(DENSE, [256], 0, "off"), lambda: rollout_section(DENSE, [64, 256], 0, "on"),
+                 lambda: rollout_section(MOE, [64], 0, "off"), lambda: rollout_section(MOE, [64], 0, "on"),
+                 lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
+                 lambda: grpo_section(DENSE, args.grpo_steps, out, "on"),
+                 lambda: grpo_section(MOE, args.grpo_steps, out, "off", layers=2),
+                 lambda: grpo_section(MOE, args.grpo_steps, out, "on", layers=2)]
+    if "vs_trl" in sections:  # the GRPO step off and on against TRL's, TRL first in a fresh process
+        jobs += [lambda: trl_fresh(out), lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
+                 lambda: grpo_section(DENSE, args.grpo_steps, out, "on")]
     if "generate" in sections:  # the control: generate alone, before anything of detrl's runs in this process
         jobs += [lambda: generate_section(DENSE, [64], NEW)]
     if "grpo" in sections:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16, device call H (through scripts/gpu_run.sh), on the kernels of call G: pairs of 10-step runs side by side
-# (0.6B on, MoE on, MoE off), the probe on the CUDA engine, then the on/off decode and trainer profile. Logs into $OUT.
+# (0.6B on, MoE on, MoE off, 0.6B off), then the probe on the CUDA engine. Logs into $OUT.
 set -uo pipefail
 O=${OUT:-/tmp/out}; L=$O/call16h.log; mkdir -p /tmp/r/m
 log() { echo "=== $*" | tee -a "$L"; }
@@ -18,7 +18,7 @@ pair() {  # name, timeout, overrides...
 pair dense_on 110 $DENSE determinism=on
 pair moe_on 170 $MOE determinism=on
 cp /tmp/r/dense_on1/numerics.json $O/numerics_dense.json; cp /tmp/r/moe_on1/numerics.json $O/numerics_moe.json
-pair moe_off 120 $MOE determinism=off
+pair moe_off 110 $MOE determinism=off
+pair dense_off 90 $DENSE determinism=off
 tar czf $O/metrics16h.tar.gz -C /tmp/r/m .
 log "probe, CUDA engine, tiny model ($SECONDS s in)"; timeout 90 python3 -m detrl.probe device=cuda trials=50 2>&1 | grep -v "Warning\|warn\|^  " | tail -12 | tee -a "$L"
-log "profile ($SECONDS s in)"; timeout $(( 580 - SECONDS )) python3 benchmarks/gpu_profile16.py --batch 64 2>&1 | grep -v "Warning\|warn" | cut -c1-64,170-250 | tee -a "$L"; true

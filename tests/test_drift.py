@@ -240,3 +240,20 @@ def test_the_device_sketch_is_exact_in_norm_within_10_percent_in_distance_and_th
     exact = float(torch.linalg.vector_norm(flat_params(model) - flat_params(other)))
     assert np.array_equal(a, a2) and abs(np.linalg.norm(a - b) / exact - 1) < 0.10
     assert norm == pytest.approx(float(torch.linalg.vector_norm(flat_params(model))), rel=1e-12)
+
+
+def test_the_device_params_words_change_with_any_one_word_and_repeat_bit_for_bit():
+    """The GPU digest's per-tensor words (computed with torch ops, so checkable on CPU tensors): the same bytes
+    give the same three int64, and flipping one bit of any one 32-bit word moves both sums."""
+    from detrl.fingerprint import _device_words
+
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    base = _device_words(t)
+    assert torch.equal(base, _device_words(t.clone())) and base[0] == t.numel()
+    for i in (0, 1, 499, 999):
+        flipped = t.clone()
+        flipped.view(torch.int32)[i] ^= 1 << (i % 31)
+        w = _device_words(flipped)
+        assert w[1] != base[1] and w[2] != base[2], i
+    # chunked sums are the unchunked sums (mod 2**64): chunk boundaries do not change the words
+    assert torch.equal(_device_words(t, chunk=7), base)

@@ -49,19 +49,22 @@ def ints_digest(rows: Iterable[Iterable[int]]) -> str:
 
 
 def params_digest(model: torch.nn.Module | dict[str, torch.Tensor]) -> str:
-    """Over a module's state dict, or a state dict (e.g. the full one gathered from FSDP2 shards)."""
-    state = model if isinstance(model, dict) else model.state_dict()
+    """Over a module's state dict, or a state dict (e.g. the full one gathered from FSDP2 shards). GPU tensors are
+    summed on their device (`_device_words`) and copied to the host together: one sync a call, not two a tensor."""
+    state = sorted((model if isinstance(model, dict) else model.state_dict()).items())
+    on_device = [_device_words(p) for _, p in state if p.is_cuda]
+    host = iter(torch.stack(on_device).cpu().numpy() if on_device else ())
     return digest(
-        name.encode() + (_device_bytes(p) if p.is_cuda else p.detach().contiguous().view(torch.uint8).numpy().tobytes())
-        for name, p in sorted(state.items())
+        name.encode() + (next(host).tobytes() if p.is_cuda else p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        for name, p in state
     )
 
 
-def _device_bytes(t: torch.Tensor, chunk: int = 1 << 27) -> bytes:
-    """24 bytes standing for a GPU tensor's exact bytes, computed on its device (a host copy of a 0.6B
-    model's float32 weights took ~1 s a step): the element count and two sums mod 2**64 of its 32-bit words,
-    weighted by odd multipliers of their index (2i+1, and 2 x hash(i) + 1): changing any one word changes
-    both sums. CUDA runs compare with CUDA runs only."""
+def _device_words(t: torch.Tensor, chunk: int = 1 << 27) -> torch.Tensor:
+    """3 int64 standing for a GPU tensor's exact bytes, computed on its device (a host copy of a 0.6B model's
+    float32 weights took ~1 s a step): the element count and two sums mod 2**64 of its 32-bit words, weighted by
+    odd multipliers of their index (2i+1, and 2 x hash(i) + 1): changing any one word changes both sums. CUDA
+    runs compare with CUDA runs only. No host sync."""
     raw = t.detach().contiguous().view(-1).view(torch.uint8)
     words = torch.nn.functional.pad(raw, (0, -raw.numel() % 4)).view(torch.int32)
     s1 = torch.zeros((), dtype=torch.int64, device=t.device)
@@ -71,7 +74,7 @@ def _device_bytes(t: torch.Tensor, chunk: int = 1 << 27) -> bytes:
         idx = torch.arange(lo, lo + w.numel(), dtype=torch.int64, device=t.device)
         s1 += (w * (2 * idx + 1)).sum()
         s2 += (w * ((idx * 0x7E3779B97F4A7C15 >> 17) | 1)).sum()
-    return np.array([t.numel(), s1.item(), s2.item()], dtype=np.int64).tobytes()
+    return torch.stack([s1.new_full((), t.numel()), s1, s2])
 
 
 def keyed_digest(items: Iterable[tuple[tuple[int, int], np.ndarray]]) -> str:

@@ -76,6 +76,10 @@ class CudaEngine:
         # bits must stay the trainer's eager ones
         if compile is None:
             compile = self.device.type == "cuda" and self.ops.name == "cuda_default"
+        # each compiled function specialises per bucket and sampling mode: let dynamo keep them all (its default
+        # limit of 8 sent the 9th shape back to eager with a warning: the probe's batch sizes 1..24 hit it)
+        buckets = _bucket(max_batch_size).bit_length()
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * buckets)
         # compiled: the sampling step and each layer's two halves (one compiled function serves every layer);
         # the cache writes between them run as they are, in place
         if compile:

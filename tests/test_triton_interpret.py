@@ -1,0 +1,96 @@
+"""The CUDA batch-invariant Triton kernels, run on CPU by Triton's interpreter (TRITON_INTERPRET=1, in a
+subprocess: the variable must be set before the kernels are decorated).
+
+The interpreter computes in numpy, which has no bfloat16 (its bf16 dots are garbage), so these run in float16:
+they check the kernels' structure (the K chunking, split-K's ordered sum, masks at ragged edges, the fused
+epilogues), not the H200's bits, which `tests/test_gpu.py -m gpu` and the run's preflight check on the device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    import torch.nn.functional as F
+    from detrl.models import triton_ops as T
+    from detrl.models.forward import _rope
+    from detrl.models.ops import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    dt = torch.float16
+    out = {}
+    # K = 1100: chunks of 512, 512 and a ragged 76; N = 96: a ragged N tile of 64
+    a = torch.randn(70, 1100, generator=g).to(dt)
+    w = (torch.randn(96, 1100, generator=g) / 30).to(dt)
+    r = torch.randn(70, 96, generator=g).to(dt)
+    ref = T.gemm(a, w, split=False)
+    out["chunks"] = T.chunk_k(1100)
+    out["close_to_fp32"] = float((ref.float() - a.float() @ w.float().T).abs().max())
+    out["split_eq_unsplit"] = torch.equal(T.gemm(a, w, split=True), ref)
+    tiles = [T.FIXED, T.Tiles(16, 32, 64, 4, 4), T.Tiles(128, 128, 64, 8, 3), T.Tiles(64, 32, 64, 4, 4),
+             T.Tiles(128, 256, 64, 8, 3)]
+    out["tiles_eq"] = [torch.equal(T.gemm(a, w, tiles=t, split=s), ref) for t in tiles for s in (False, True)]
+    out["rows_eq"] = [torch.equal(T.gemm(a[i : i + m], w, split=s), ref[i : i + m])
+                      for i, m in ((0, 1), (5, 1), (69, 1), (3, 7), (10, 33)) for s in (False, True)]
+    plain = (r.float() + ref.float()).to(dt)
+    out["residual_eq"] = [torch.equal(T.gemm(a, w, residual=r, split=s), plain) for s in (False, True)]
+    out["linear_add_eq"] = torch.equal(T.linear_add(a[None], w, r[None])[0], plain)
+    x = torch.randn(3, 5, 2 * 200, generator=g).to(dt)
+    gate, up = x.chunk(2, -1)
+    out["silu_mul_eq"] = torch.equal(T.silu_mul(x), F.silu(gate) * up)
+    q = torch.randn(2, 5, 6, 64, generator=g).to(dt)
+    nw = torch.randn(6, 64, generator=g).to(dt)
+    cos, sin = torch.randn(2, 2, 5, 1, 64, generator=g).to(dt)
+    out["norm_rope_eq"] = torch.equal(T.norm_rope(q, nw, 1e-6, cos, sin), _rope(rms_norm(q, nw, 1e-6), cos, sin))
+    # the q/k heads as the forward passes them: a strided view of the qkv output
+    qkv = torch.randn(2, 5, 10, 64, generator=g).to(dt)
+    out["norm_rope_view_eq"] = torch.equal(T.norm_rope(qkv[:, :, :6], nw, 1e-6, cos, sin),
+                                           _rope(rms_norm(qkv[:, :, :6], nw, 1e-6), cos, sin))
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    pytest.importorskip("triton")  # the test environment installs it (SGLang's pin); a CPU-only install need not
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):])
+
+
+def test_the_gemm_sums_k_in_fixed_chunks_close_to_float32(interpreted):
+    assert interpreted["chunks"] == 512
+    assert interpreted["close_to_fp32"] < 0.05  # float16 output of a K=1100 dot with |values| ~ 1
+
+
+def test_split_k_gives_the_unsplit_kernels_bits(interpreted):
+    assert interpreted["split_eq_unsplit"]
+
+
+def test_every_tiling_and_every_row_count_gives_the_same_bits(interpreted):
+    """The M and N tiles (what `tiles_for` varies with M) are free: each output's sum runs over K in the same
+    BLOCK_K steps inside the same chunks. (On the H200 BLOCK_K 32 and 128 gave the same bits too, call F: the MMA
+    accumulates k16 steps in order whatever BLOCK_K is; numpy's dot per BLOCK_K step is not that, so the
+    interpreter cannot check it and `tiles_for` keeps BLOCK_K 64.)"""
+    assert all(interpreted["tiles_eq"]), interpreted["tiles_eq"]
+    assert all(interpreted["rows_eq"]), interpreted["rows_eq"]
+
+
+def test_the_fused_residual_is_the_eager_sum_of_the_rounded_gemm(interpreted):
+    assert all(interpreted["residual_eq"]) and interpreted["linear_add_eq"]
+
+
+def test_fused_silu_mul_and_norm_rope_give_eager_torchs_bits_in_float16(interpreted):
+    assert interpreted["silu_mul_eq"]
+    assert interpreted["norm_rope_eq"] and interpreted["norm_rope_view_eq"]
