@@ -4,9 +4,11 @@
 
 Same model (tiny dense Qwen3 from conf/model/qwen3.yaml, same seed-0 init), same prompts (8 arithmetic
 prompts per step), 4 samples each, up to 16 new tokens, GRPO without a reference model, one optimizer
-step per rollout batch, CPU, and the same numerics: fp32 weights and compute, no autocast, no activation
-recomputation. TRL's GRPOConfig defaults are GPU defaults (bf16=True autocast, gradient_checkpointing=True):
-the matched row turns both off; a second TRL row keeps its defaults, for reference only (other work).
+step per rollout batch, the clip ratio's old logprobs taken from the gradient pass on both sides (TRL at
+num_iterations=1; detrl's algo.old_logprobs=current), CPU, and the same numerics: fp32 weights and compute,
+no autocast, no activation recomputation. TRL's GRPOConfig defaults are GPU defaults (bf16=True autocast,
+gradient_checkpointing=True): the matched row turns both off; a second TRL row keeps its defaults, for
+reference only (other work).
 Runs alternate (detrl off, detrl on, TRL matched, TRL defaults) for `--rounds` rounds; the first 2 steps
 of every run are warm-up; the table shows the median step time over the rest, and ratios against the
 matched TRL row.
@@ -46,7 +48,7 @@ def detrl_steps(determinism: str, steps: int, out: Path) -> list[float]:
             f"determinism={determinism}", f"steps={steps}", f"train_batch_size={PROMPTS}", f"rollout.n={SAMPLES}",
             f"rollout.max_new_tokens={NEW_TOKENS}", "algo.use_kl_loss=false", "model.init=random", "seed=0",
             f"micro_batch_size={PROMPTS * SAMPLES}", "algo.ppo_mini_batch_size=0", "logger=none",
-            "checkpoint.save_final=false",
+            "checkpoint.save_final=false", "algo.old_logprobs=current",  # TRL's work at num_iterations=1
         ]))
     train(cfg, out)
     return [r["timing_s/step"] for r in load_metrics(out)][WARMUP:]
