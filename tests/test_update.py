@@ -150,3 +150,37 @@ def test_old_logprobs_current_needs_one_update_per_batch():
                        ("algo.rollout_correction=tis", "algo.rollout_correction")):
         with pytest.raises(ConfigError, match=rf"^{field}="):
             make_cfg("train_batch_size=2", "algo.old_logprobs=current", bad)
+
+
+@pytest.mark.parametrize("case", ["all_stale_masked", "empty_response_alone"])
+def test_old_logprobs_current_where_no_token_trains_is_recompute(case):
+    """Micro-batches in which no token trains: `current` still scores them (their old logprobs feed the metrics)
+    but without a backward, as `recompute` skips them: the same metrics (no 0/0), no crash on a row without
+    response tokens, and under AdamW with weight decay the same parameters (no zero gradients that decay them)."""
+    import math
+
+    from detrl.trainer import update
+
+    batch, adv = _batch()
+    if case == "all_stale_masked":  # every token stale and masked: nothing trains in any micro-batch
+        batch.versions[:] = -1
+        extra = ("micro_batch_size=3", "rollout.partial.stale_tokens=mask")
+    else:  # a row without response tokens, alone in its micro-batch
+        batch.mask[0] = 0
+        batch.versions[0] = -1
+        extra = ("micro_batch_size=1",)
+    runs = {}
+    for old in ("recompute", "current"):
+        model = build_model(ModelConfig(), seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        m = update(model, None, opt, batch, adv, _cfg(*extra, f"algo.old_logprobs={old}"), BATCH_INVARIANT_OPS, L,
+                   rope_tables(model.config, L), version=0)
+        runs[old] = m, [p.detach().clone() for p in model.parameters()]
+    (m_re, p_re), (m_cur, p_cur) = runs["recompute"], runs["current"]
+    assert m_re.keys() == m_cur.keys()
+    assert not any(isinstance(v, float) and math.isnan(v) for v in m_cur.values()), m_cur
+    assert m_re == m_cur
+    assert all(torch.equal(a, b) for a, b in zip(p_re, p_cur, strict=True))
+    if case == "all_stale_masked":
+        fresh = build_model(ModelConfig(), seed=0)
+        assert all(torch.equal(a, b) for a, b in zip(p_cur, fresh.parameters()))  # nothing trained: nothing moved

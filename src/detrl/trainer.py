@@ -7,6 +7,7 @@ Read top to bottom in `train`. The math lives in `detrl.algos`; what determinism
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import dataclasses
 import json
@@ -150,19 +151,22 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
             distributed.unshard(model)  # FSDP2: the full weights for the functional forward (else a no-op)
             for key, sl in dp.micro_batches(start, stop, mb):
                 mask = train_mask[sl]
-                if not mask.any() and not reuse:
-                    continue
-                scored = batch.mask[sl] if reuse else mask  # reuse: every response token's old logprob (metrics)
-                out = sequence_logprobs(model, batch.input_ids[sl], scored, ops, ctx_len, rope, temp,
-                                        entropy=bool(a.entropy_coeff) or reuse, experts=replayed(sl),
-                                        routes=reuse and agree is not None)
-                logp, ent_g = out[:2]
-                if reuse:  # this micro-batch's old logprobs: its own, detached (the weights have not moved yet)
+                if reuse:  # this micro-batch's old logprobs: its own, detached (the weights have not moved yet),
+                    # over every response token (metrics); without gradients where no token trains (as recompute)
+                    with contextlib.nullcontext() if mask.any() else torch.no_grad():
+                        out = sequence_logprobs(model, batch.input_ids[sl], batch.mask[sl], ops, ctx_len, rope, temp,
+                                                entropy=True, experts=replayed(sl), routes=agree is not None)
+                    logp, ent_g = out[:2]
                     old_trainer[sl], ent[sl] = logp.detach(), ent_g.detach()
                     if agree is not None:
                         agree[sl] = layer_agreement(out[2], recorded[sl])
                     old[sl] = old_logprobs(stale_mode, old_trainer[sl], batch.rollout_logp[sl], fresh[sl],
                                            batch.mask[sl])[0]
+                if not mask.any():
+                    continue
+                if not reuse:
+                    logp, ent_g = sequence_logprobs(model, batch.input_ids[sl], mask, ops, ctx_len, rope, temp,
+                                                    entropy=bool(a.entropy_coeff), experts=replayed(sl))
                 tok_adv = adv[sl, None].expand_as(logp)  # [n, L-1]
                 pg, m = compute_policy_loss(logp, old[sl], tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high,
                                             a.clip_ratio_c)
