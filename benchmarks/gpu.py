@@ -188,7 +188,10 @@ def grpo_section(name: str, steps: int, out: Path, determinism: str = "off", lay
             "logger=none", "checkpoint.save_final=false", "lr=1e-6", f"algo.old_logprobs={OLD_LOGPROBS}",
             *([f"model.num_hidden_layers={layers}"] if layers else [])]))
     torch.cuda.reset_peak_memory_stats()
+    name = f"{name}_{layers}l" if layers else name
     run = out / f"grpo_{name}_{determinism}"
+    if run.exists():  # sections that repeat a run (targets with grpo_onoff, say): each keeps its own directory
+        run = Path(tempfile.mkdtemp(prefix=run.name + "_", dir=out))
     train(cfg, run)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     peak = torch.cuda.max_memory_allocated() / 2**30
@@ -197,7 +200,6 @@ def grpo_section(name: str, steps: int, out: Path, determinism: str = "off", lay
     from detrl.models.build import build_model
 
     fp_s = _fingerprint_time(build_model(cfg.model, seed=0).cuda(), params_digest)
-    name = f"{name}_{layers}l" if layers else name
     later = rows[1:]  # step 1 captures the graphs and warms the allocator
     step = statistics.median(r["timing_s/step"] for r in later)
     roll = statistics.median(r["timing_s/rollout"] for r in later)

@@ -1,10 +1,13 @@
 """CUDA's batch-invariant kernels (issue 16): Triton forwards whose per-row reduction order is fixed by
 construction, shared by the CUDA engine (prefill, graph-captured decode) and the trainer.
 
-- gemm x [M, K] @ w[N, K].T (and the MoE's grouped form over a device-side tile map): one program per
-  (BLOCK_M rows, BLOCK_N cols) tile, K reduced in order in fixed BLOCK_K steps, fp32 accumulator; the tile
-  config depends on the weight's shape only, never on M, so a row's bits ignore how many rows share the call;
-- RMSNorm: one program per row;
+- gemm x [M, K] @ w[N, K].T: K summed in fixed chunks (chunk_k, a function of K alone), each from zero in
+  BLOCK_K-64 steps into an fp32 accumulator, the chunk sums added in order; so a row's bits ignore how many rows
+  share the call, and the M/N tiles may follow M (tiles_for). Calls too small to fill the GPU split K (one program
+  per chunk) and add the chunks in the same order after. The MoE's grouped form runs over a device-side tile map;
+- RMSNorm: one program per row; fused kernels for the residual add (in the gemm's epilogue), silu(gate) * up and
+  the q/k heads' RMSNorm + rope: the same math as the eager ops they replace, not necessarily their bits on the
+  GPU (Triton's exp and division are the fast ones), which is fine: engine and trainer share this op set;
 - attention: one flash-style kernel for training, prefill and decode: the grouped-query heads of a kv head
   stacked as rows, keys in fixed BLOCK_N blocks iterated in order with an online softmax; each row stops
   after the block holding its own position (a later, fully masked block would leave the state bit for bit
@@ -110,7 +113,7 @@ def _chunk_sum_kernel(ws, c, r, MN, N, srm, S: tl.constexpr, RESIDUAL: tl.conste
     ok = offs < MN
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(S):
-        total += tl.load(ws + s * MN + offs, mask=ok, other=0.0)
+        total += tl.load(ws + s * MN.to(tl.int64) + offs, mask=ok, other=0.0)
     out = total.to(c.dtype.element_ty)
     if RESIDUAL:
         rv = tl.load(r + (offs // N) * srm + offs % N, mask=ok, other=0.0)
@@ -162,8 +165,9 @@ def gemm(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
     if split is None:
         split = chunks > 1 and grid[0] * grid[1] < sms
     r = residual if residual is not None else c
-    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
-        raise ValueError(f"residual must be a row-major [{m}, {n}], got {tuple(residual.shape)}")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != a.dtype):
+        raise ValueError(f"residual must be a row-major [{m}, {n}] {a.dtype}, got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
     kw = dict(CHUNK=chunk, BM=t.bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages)
     if not split:
         _gemm_kernel[grid](a, w, c, r, m, n, k, a.stride(0), a.stride(1), 0, w.stride(0), w.stride(1), 0,
@@ -257,7 +261,7 @@ def linear_add(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tenso
 
 @triton.jit
 def _silu_mul_kernel(x, y, n_half, BLOCK: tl.constexpr):
-    """y[r, j] = silu(x[r, j]) * x[r, n_half + j], rounded as eager torch rounds `F.silu(gate) * up`."""
+    """y[r, j] = silu(x[r, j]) * x[r, n_half + j], rounded where eager torch rounds `F.silu(gate) * up`."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < n_half
@@ -295,8 +299,9 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _norm_rope_kernel(x, w, cos, sin, y, heads, sx1, sx2, sc, eps, D: tl.constexpr):
-    """One (token, head) row: RMSNorm as _rms_kernel, then rope as forward._rope computes it in x's dtype
-    (x * cos + roll(x, D/2) * sin_signed, each product and the sum rounded)."""
+    """One (token, head) row: RMSNorm (the sum of squares in this kernel's own order), then rope as
+    forward._rope computes it in x's dtype (x * cos + roll(x, D/2) * sin_signed, each product and the sum
+    rounded)."""
     pid = tl.program_id(0)
     r1, h = pid // heads, pid % heads
     d = tl.arange(0, D)
@@ -327,6 +332,9 @@ class _NormRope(torch.autograd.Function):
         ctx.save_for_backward(x, w, cos, sin)
         ctx.eps = eps
         b, t, heads, d = x.shape
+        if w.shape != (heads, d) or d & (d - 1):
+            raise ValueError(f"norm_rope needs per-head weights [{heads}, {d}] and a power-of-two head dim, "
+                             f"got weights {tuple(w.shape)}")
         if x.stride(-1) != 1 or x.stride(0) != t * x.stride(1):
             x = x.contiguous()
         x3 = x.view(b * t, heads, d)

@@ -247,9 +247,11 @@ class CudaEngine:
 
 
 def _draw(logp: torch.Tensor, pos, key, seeded: bool, top_p: float) -> torch.Tensor:
-    """The token each row samples from logp [B, V]: Gumbel-max with hashed (seeded) or stream noise. Exact integer
-    hashing and comparisons, so compiling it (one fused kernel instead of ~20 over [B, V]) keeps the draws
-    reproducible; the recorded logprobs are not computed here."""
+    """The token each row samples from logp [B, V]: Gumbel-max with hashed (seeded) or stream noise, compiled (one
+    fused kernel instead of ~20 over [B, V]); the recorded logprobs are not computed here. At top_p 1 (the
+    default) it is exact integer hashing, elementwise float64 and an argmax: the same compiled code gives the same
+    draws run to run. top_p < 1 adds a float32 exp / cumsum whose compiled bits are unproven against eager's or
+    across buckets (repeats of a run still compile the same kernels)."""
     if seeded:
         noise = hashed_gumbel(None, pos, logp.shape[-1], key=key)  # [B, V] float64
     else:
