@@ -216,6 +216,14 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tiles) -> torch.Tensor:
     return c
 
 
+def _recompute(fn, dy: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A kernel's backward: the gradients of its torch recomputation fn(*inputs) w.r.t. inputs, for the upstream
+    gradient dy (torch's own backwards, deterministic run to run; their bits need not match the forward's)."""
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        return torch.autograd.grad(fn(*leaves), leaves, dy)
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w):
@@ -271,6 +279,10 @@ def _silu_mul_kernel(x, y, n_half, BLOCK: tl.constexpr):
     tl.store(y + row * n_half + cols, (act.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=m)
 
 
+def _silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -285,10 +297,7 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        with torch.enable_grad():
-            x_ = x.detach().requires_grad_()
-            gate, up = x_.chunk(2, dim=-1)
-            (dx,) = torch.autograd.grad(torch.nn.functional.silu(gate) * up, (x_,), dy)
+        (dx,) = _recompute(lambda x_: _silu_mul_torch(*x_.chunk(2, dim=-1)), dy, x)
         return dx
 
 
@@ -348,9 +357,7 @@ class _NormRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, cos, sin = ctx.saved_tensors
-        with torch.enable_grad():
-            x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
-            dx, dw = torch.autograd.grad(_norm_rope_torch(x_, w_, ctx.eps, cos, sin), (x_, w_), dy)
+        dx, dw = _recompute(lambda x_, w_: _norm_rope_torch(x_, w_, ctx.eps, cos, sin), dy, x, w)
         return dx, dw, None, None, None
 
 
@@ -401,9 +408,7 @@ class _RMSNorm(torch.autograd.Function):
         from detrl.models.ops import rms_norm as torch_rms_norm
 
         x, w = ctx.saved_tensors
-        with torch.enable_grad():
-            x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
-            dx, dw = torch.autograd.grad(torch_rms_norm(x_, w_, ctx.eps), (x_, w_), dy)
+        dx, dw = _recompute(lambda x_, w_: torch_rms_norm(x_, w_, ctx.eps), dy, x, w)
         return dx, dw, None
 
 
@@ -498,9 +503,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, mask = ctx.saved_tensors
-        with torch.enable_grad():
-            q_, k_, v_ = (x.detach().requires_grad_() for x in (q, k, v))
-            dq, dk, dv = torch.autograd.grad(_attention_torch(q_, k_, v_, mask, ctx.scale), (q_, k_, v_), do)
+        dq, dk, dv = _recompute(lambda q_, k_, v_: _attention_torch(q_, k_, v_, mask, ctx.scale), do, q, k, v)
         return dq, dk, dv, None, None
 
 
@@ -522,9 +525,7 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xs, w, offs = ctx.saved_tensors
-        with torch.enable_grad():
-            xs_, w_ = xs.detach().requires_grad_(), w.detach().requires_grad_()
-            dx, dw = torch.autograd.grad(torch._grouped_mm(xs_, w_.transpose(-2, -1), offs=offs), (xs_, w_), dy)
+        dx, dw = _recompute(lambda xs_, w_: torch._grouped_mm(xs_, w_.transpose(-2, -1), offs=offs), dy, xs, w)
         return dx, dw, None, None, None, None
 
 
