@@ -42,12 +42,13 @@ train: install  ## set up, then train the default: tiny Qwen3, GRPO, determinism
 test: install-test  ## set up, then run the test suite (CPU; tests marked gpu skip without CUDA)
 	DETRL_REQUIRE_SGLANG=1 $(PY) -m pytest -q
 
-lint: install-test  ## ruff
-	$(PY) -m ruff check src tests train.py benchmarks
+lint: install-test  ## ruff check + ruff format --check (CI runs this before the tests)
+	$(PY) -m ruff check src tests train.py benchmarks scripts
+	$(PY) -m ruff format --check src tests train.py benchmarks scripts
 
 format: install-test  ## ruff format + import order
-	$(PY) -m ruff check --fix src tests train.py benchmarks
-	$(PY) -m ruff format src tests train.py benchmarks
+	$(PY) -m ruff check --fix src tests train.py benchmarks scripts
+	$(PY) -m ruff format src tests train.py benchmarks scripts
 
 ablation: install  ## ablate each source of nondeterminism (conf/ablation/), then render its report into docs/source_ablation/
 	rm -rf outputs/sweeps/source_ablation_latest

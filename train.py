@@ -1,8 +1,8 @@
 """detrl's one entrypoint.
 
-    python train.py                                   # tiny dense Qwen3, GRPO, determinism on, CPU
-    python train.py algo=dapo model=qwen3_moe determinism=off
-    python train.py -m determinism=on,off repeat=0,1,2
+python train.py                                   # tiny dense Qwen3, GRPO, determinism on, CPU
+python train.py algo=dapo model=qwen3_moe determinism=off
+python train.py -m determinism=on,off repeat=0,1,2
 """
 
 import hydra

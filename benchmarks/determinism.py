@@ -50,19 +50,38 @@ def main() -> None:
             for rep in range(args.repeats):
                 for mode in ("on", "off"):
                     out = Path(tmp) / f"{model}-{mode}-{rep}"
-                    runs[mode].append(run([f"model={model}", f"determinism={mode}", f"steps={args.steps}",
-                                           *args.overrides], out))
-            med = {m: statistics.median(r["timing_s/step"] for run_ in rs for r in run_[2:]) for m, rs in runs.items()}
+                    runs[mode].append(
+                        run(
+                            [f"model={model}", f"determinism={mode}", f"steps={args.steps}", *args.overrides],
+                            out,
+                        )
+                    )
+            med = {
+                m: statistics.median(r["timing_s/step"] for run_ in rs for r in run_[2:])
+                for m, rs in runs.items()
+            }
             for mode, rs in runs.items():
                 divs = [first_divergence(rs[0], other) for other in rs[1:]]
                 where = Counter(d[1] for d in divs if d)
                 steps = sorted(d[0] for d in divs if d)
-                rows.append((model, mode, med[mode], med[mode] / med["off"], distinct_trajectories(rs), len(rs),
-                             steps[0] if steps else "-", ", ".join(f"{k} x{v}" for k, v in where.items()) or "-",
-                             sum(r["critic/score/mean"] for r in rs[0][-5:]) / 5))
+                rows.append(
+                    (
+                        model,
+                        mode,
+                        med[mode],
+                        med[mode] / med["off"],
+                        distinct_trajectories(rs),
+                        len(rs),
+                        steps[0] if steps else "-",
+                        ", ".join(f"{k} x{v}" for k, v in where.items()) or "-",
+                        sum(r["critic/score/mean"] for r in rs[0][-5:]) / 5,
+                    )
+                )
     print(f"\n{args.steps} steps x {args.repeats} repeats per cell, on/off alternating in one process\n")
-    print("| model | determinism | median step (s) | vs off | distinct trajectories | earliest divergence step "
-          "| first diverging fingerprint | reward last 5 (repeat 0) |")
+    print(
+        "| model | determinism | median step (s) | vs off | distinct trajectories | earliest divergence step "
+        "| first diverging fingerprint | reward last 5 (repeat 0) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for m, mode, t, ratio, d, n, first, where, rew in rows:
         print(f"| {m} | {mode} | {t:.3f} | {ratio:.2f}x | {d} of {n} | {first} | {where} | {rew:.3f} |")

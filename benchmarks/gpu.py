@@ -97,8 +97,13 @@ def timed(fn, repeats: int = 1) -> float:
 def torch_defaults():
     """torch's own global flags (as a fresh process has them) for a peer's code: `generate` must not run under
     detrl's determinism flags (cudnn.benchmark autotunes every new shape, and generate's cache grows each step)."""
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
-             torch.backends.cudnn.deterministic, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
     torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, False
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
@@ -106,18 +111,32 @@ def torch_defaults():
         yield
     finally:
         torch.use_deterministic_algorithms(saved[0])
-        (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cuda.matmul.allow_tf32,
-         torch.backends.cudnn.allow_tf32) = saved[1:]
+        (
+            torch.backends.cudnn.benchmark,
+            torch.backends.cudnn.deterministic,
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+        ) = saved[1:]
 
 
 def generate_tok_s(hf, b: int, tokens: int) -> tuple[float, float, float]:
     """transformers `generate(do_sample=True)` on b prompts x `tokens` new tokens, under torch's default flags:
     -> (tok/s, seconds, peak GiB)."""
     ids = torch.tensor(prompts(b), device="cuda")
-    kw = dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=tokens, min_new_tokens=tokens,
-              pad_token_id=0, eos_token_id=None)
+    kw = dict(
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        temperature=1.0,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     with torch_defaults():
-        hf.generate(ids, attention_mask=torch.ones_like(ids), **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        hf.generate(
+            ids, attention_mask=torch.ones_like(ids), **{**kw, "max_new_tokens": 4, "min_new_tokens": 4}
+        )
         torch.cuda.reset_peak_memory_stats()
         s = timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), **kw))
     return b * tokens / s, s, torch.cuda.max_memory_allocated() / 2**30
@@ -128,8 +147,9 @@ def generate_section(name: str, batches: list[int], tokens: int) -> None:
     hf = random_model(name).to(torch.bfloat16)
     for b in batches:
         tps, s, mem = generate_tok_s(hf, b, tokens)
-        RESULTS[f"generate/{name}/b{b}"] = dict(generate_s=s, generate_tok_s=tps, generate_new_tokens=tokens,
-                                                generate_peak_gib=mem)
+        RESULTS[f"generate/{name}/b{b}"] = dict(
+            generate_s=s, generate_tok_s=tps, generate_new_tokens=tokens, generate_peak_gib=mem
+        )
         print(f"generate alone {name} b={b}: {tps:,.0f} tok/s ({s:.2f} s for {tokens} tokens)", flush=True)
 
 
@@ -145,13 +165,23 @@ def rollout_section(name: str, batches: list[int], hf_tokens: int, determinism: 
     model = random_model(name)
     ctx = -(-(len(prompts(1)[0]) + NEW) // 8) * 8
     det = det_mod.setup(determinism == "on", 0, "cuda", torch.bfloat16)
-    engine = CudaEngine(model, det.ops, ctx, SamplingParams(1.0, 1.0, NEW, ()), seed=0, max_batch_size=max(batches),
-                        fixed_routing=det.fixed_routing)
+    engine = CudaEngine(
+        model,
+        det.ops,
+        ctx,
+        SamplingParams(1.0, 1.0, NEW, ()),
+        seed=0,
+        max_batch_size=max(batches),
+        fixed_routing=det.fixed_routing,
+    )
     tag = "" if determinism == "off" else "/on"
     hf = model.to(torch.bfloat16)  # the engine holds its own bf16 copy; generate runs on the bf16 model
     del model
     for b in batches:
-        reqs = [Request(i // 8, i % 8, tuple(p), seed=det.sampling_seed(1, i // 8, i % 8)) for i, p in enumerate(prompts(b))]
+        reqs = [
+            Request(i // 8, i % 8, tuple(p), seed=det.sampling_seed(1, i // 8, i % 8))
+            for i, p in enumerate(prompts(b))
+        ]
         t0 = time.perf_counter()
         first = engine.generate(reqs)  # captures this bucket's graph
         capture_s = time.perf_counter() - t0
@@ -159,38 +189,76 @@ def rollout_section(name: str, batches: list[int], hf_tokens: int, determinism: 
         torch.cuda.reset_peak_memory_stats()
         eng_s = timed(lambda reqs=reqs: engine.generate(reqs), repeats=3)
         eng_mem = torch.cuda.max_memory_allocated() / 2**30
-        RESULTS[f"engine/{name}/b{b}{tag}"] = dict(engine_s=eng_s, engine_tok_s=b * NEW / eng_s,
-                                              engine_first_call_s=capture_s, engine_peak_gib=eng_mem)
-        print(f"engine {name} b={b} determinism={determinism}: {b * NEW / eng_s:,.0f} tok/s ({eng_s:.3f} s; first call {capture_s:.2f} s), "
-              f"peak {eng_mem:.1f} GiB", flush=True)
+        RESULTS[f"engine/{name}/b{b}{tag}"] = dict(
+            engine_s=eng_s,
+            engine_tok_s=b * NEW / eng_s,
+            engine_first_call_s=capture_s,
+            engine_peak_gib=eng_mem,
+        )
+        print(
+            f"engine {name} b={b} determinism={determinism}: {b * NEW / eng_s:,.0f} tok/s ({eng_s:.3f} s; first call {capture_s:.2f} s), "
+            f"peak {eng_mem:.1f} GiB",
+            flush=True,
+        )
         if not hf_tokens:
             continue
         hf_tps, hf_s, hf_mem = generate_tok_s(hf, b, hf_tokens)
         eng_tps = b * NEW / eng_s
         RESULTS[f"rollout/{name}/b{b}"] = dict(
-            engine_s=eng_s, engine_tok_s=eng_tps, engine_first_call_s=capture_s, engine_peak_gib=eng_mem,
-            generate_s=hf_s, generate_tok_s=hf_tps, generate_new_tokens=hf_tokens, generate_peak_gib=hf_mem,
-            speedup=eng_tps / hf_tps)
-        print(f"rollout {name} b={b}: engine {eng_tps:,.0f} tok/s ({eng_s:.2f} s), generate {hf_tps:,.0f} tok/s "
-              f"({hf_s:.2f} s for {hf_tokens} tokens) -> {eng_tps / hf_tps:.1f}x", flush=True)
+            engine_s=eng_s,
+            engine_tok_s=eng_tps,
+            engine_first_call_s=capture_s,
+            engine_peak_gib=eng_mem,
+            generate_s=hf_s,
+            generate_tok_s=hf_tps,
+            generate_new_tokens=hf_tokens,
+            generate_peak_gib=hf_mem,
+            speedup=eng_tps / hf_tps,
+        )
+        print(
+            f"rollout {name} b={b}: engine {eng_tps:,.0f} tok/s ({eng_s:.2f} s), generate {hf_tps:,.0f} tok/s "
+            f"({hf_s:.2f} s for {hf_tokens} tokens) -> {eng_tps / hf_tps:.1f}x",
+            flush=True,
+        )
     engine.close()
 
 
-def grpo_section(name: str, steps: int, out: Path, determinism: str = "off", layers: int | None = None) -> None:
+def grpo_section(
+    name: str, steps: int, out: Path, determinism: str = "off", layers: int | None = None
+) -> None:
     """layers: the model's first `layers` layers only (the MoE shape's whole trainer state needs ~60 GiB)."""
     from detrl.trainer import train
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = to_typed(compose("train", overrides=[
-            f"model={name}", "device=cuda", f"determinism={determinism}", f"steps={steps}",
-            f"train_batch_size={PROMPTS}", f"rollout.n={SAMPLES}", f"rollout.max_new_tokens={NEW}",
-            "rollout.max_batch_size=256", "algo.use_kl_loss=false", "seed=0", f"micro_batch_size={PROMPTS * SAMPLES}",
-            "logger=none", "checkpoint.save_final=false", "lr=1e-6", f"algo.old_logprobs={OLD_LOGPROBS}",
-            *([f"model.num_hidden_layers={layers}"] if layers else [])]))
+        cfg = to_typed(
+            compose(
+                "train",
+                overrides=[
+                    f"model={name}",
+                    "device=cuda",
+                    f"determinism={determinism}",
+                    f"steps={steps}",
+                    f"train_batch_size={PROMPTS}",
+                    f"rollout.n={SAMPLES}",
+                    f"rollout.max_new_tokens={NEW}",
+                    "rollout.max_batch_size=256",
+                    "algo.use_kl_loss=false",
+                    "seed=0",
+                    f"micro_batch_size={PROMPTS * SAMPLES}",
+                    "logger=none",
+                    "checkpoint.save_final=false",
+                    "lr=1e-6",
+                    f"algo.old_logprobs={OLD_LOGPROBS}",
+                    *([f"model.num_hidden_layers={layers}"] if layers else []),
+                ],
+            )
+        )
     torch.cuda.reset_peak_memory_stats()
     name = f"{name}_{layers}l" if layers else name
     run = out / f"grpo_{name}_{determinism}"
-    if run.exists():  # sections that repeat a run (targets with grpo_onoff, say): each keeps its own directory
+    if (
+        run.exists()
+    ):  # sections that repeat a run (targets with grpo_onoff, say): each keeps its own directory
         run = Path(tempfile.mkdtemp(prefix=run.name + "_", dir=out))
     train(cfg, run)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -204,11 +272,20 @@ def grpo_section(name: str, steps: int, out: Path, determinism: str = "off", lay
     step = statistics.median(r["timing_s/step"] for r in later)
     roll = statistics.median(r["timing_s/rollout"] for r in later)
     RESULTS[f"grpo/{name}/{determinism}"] = dict(
-        step_s=step, rollout_s=roll, update_and_sync_s=step - roll - fp_s, params_fingerprint_s=fp_s,
-        step_without_fingerprint_s=step - fp_s, first_step_s=rows[0]["timing_s/step"], peak_gib=peak,
-        steps=[r["timing_s/step"] for r in rows], reward=[r["critic/score/mean"] for r in rows])
-    print(f"grpo {name}: step {step:.3f} s (rollout {roll:.3f}, fingerprint {fp_s:.3f}), peak {peak:.1f} GiB",
-          flush=True)
+        step_s=step,
+        rollout_s=roll,
+        update_and_sync_s=step - roll - fp_s,
+        params_fingerprint_s=fp_s,
+        step_without_fingerprint_s=step - fp_s,
+        first_step_s=rows[0]["timing_s/step"],
+        peak_gib=peak,
+        steps=[r["timing_s/step"] for r in rows],
+        reward=[r["critic/score/mean"] for r in rows],
+    )
+    print(
+        f"grpo {name}: step {step:.3f} s (rollout {roll:.3f}, fingerprint {fp_s:.3f}), peak {peak:.1f} GiB",
+        flush=True,
+    )
     torch.cuda.empty_cache()
 
 
@@ -240,28 +317,60 @@ def trl_section(name: str, steps: int, out: Path) -> None:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t0)
 
-    kw = dict(per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES, max_completion_length=NEW,
-              beta=0.0, num_iterations=1, steps_per_generation=1, gradient_accumulation_steps=1, learning_rate=1e-6,
-              max_steps=steps, use_vllm=False, bf16=True, gradient_checkpointing=False, report_to="none",
-              save_strategy="no", logging_steps=10_000, disable_tqdm=True, shuffle_dataset=False, temperature=1.0,
-              seed=0, top_k=0, top_p=1.0)
+    kw = dict(
+        per_device_train_batch_size=PROMPTS * SAMPLES,
+        num_generations=SAMPLES,
+        max_completion_length=NEW,
+        beta=0.0,
+        num_iterations=1,
+        steps_per_generation=1,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-6,
+        max_steps=steps,
+        use_vllm=False,
+        bf16=True,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10_000,
+        disable_tqdm=True,
+        shuffle_dataset=False,
+        temperature=1.0,
+        seed=0,
+        top_k=0,
+        top_p=1.0,
+    )
     args = GRPOConfig(output_dir=str(out / "trl"), **kw)
     defaults = GRPOConfig(output_dir=str(out / "trl"))
-    diff = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig)
-            if f.name != "output_dir" and repr(getattr(args, f.name)) != repr(getattr(defaults, f.name))}
+    diff = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(GRPOConfig)
+        if f.name != "output_dir" and repr(getattr(args, f.name)) != repr(getattr(defaults, f.name))
+    }
     print("TRL GRPOConfig args that differ from its defaults:", diff, flush=True)
     import trl
 
     torch.manual_seed(0)
     model = random_model(name).train()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
-                          callbacks=[Timer()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[Timer()],
+    )
     torch.cuda.reset_peak_memory_stats()
     with torch_defaults():
         trainer.train()
     peak = torch.cuda.max_memory_allocated() / 2**30
-    RESULTS[f"trl/{name}"] = dict(step_s=statistics.median(times[1:]), steps=times, peak_gib=peak,
-                                  version=trl.__version__, args_not_default={k: repr(v) for k, v in diff.items()})
+    RESULTS[f"trl/{name}"] = dict(
+        step_s=statistics.median(times[1:]),
+        steps=times,
+        peak_gib=peak,
+        version=trl.__version__,
+        args_not_default={k: repr(v) for k, v in diff.items()},
+    )
     print(f"trl {name}: step {statistics.median(times[1:]):.3f} s, peak {peak:.1f} GiB", flush=True)
     trainer.model = None
 
@@ -279,44 +388,70 @@ def trl_fresh(out: Path) -> None:
 def table() -> str:
     dev = torch.cuda.get_device_name()
     lines = [f"{dev}, torch {torch.__version__}, {datetime.date.today().isoformat()}", ""]
-    lines += ["| rollout (256 new tokens/seq) | batch | detrl engine tok/s | generate tok/s | vs generate | "
-              "engine peak GiB |", "|---|---|---|---|---|---|"]
+    lines += [
+        "| rollout (256 new tokens/seq) | batch | detrl engine tok/s | generate tok/s | vs generate | "
+        "engine peak GiB |",
+        "|---|---|---|---|---|---|",
+    ]
     for k, v in RESULTS.items():
         if k.startswith("rollout/"):
             _, name, b = k.split("/")
             note = "" if v["generate_new_tokens"] == NEW else f" ({v['generate_new_tokens']} tokens)"
-            lines.append(f"| {name} | {b[1:]} | {v['engine_tok_s']:,.0f} | {v['generate_tok_s']:,.0f}{note} | "
-                         f"{v['speedup']:.1f}x | {v['engine_peak_gib']:.1f} |")
-    lines += ["", f"| GRPO step, {PROMPTS} prompts x {SAMPLES} samples x {NEW} tokens | step (s) | rollout (s) | "
-              "update + sync (s) | params fingerprint (s) | step w/o fingerprint (s) | vs TRL | peak GiB |",
-              "|---|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {name} | {b[1:]} | {v['engine_tok_s']:,.0f} | {v['generate_tok_s']:,.0f}{note} | "
+                f"{v['speedup']:.1f}x | {v['engine_peak_gib']:.1f} |"
+            )
+    lines += [
+        "",
+        f"| GRPO step, {PROMPTS} prompts x {SAMPLES} samples x {NEW} tokens | step (s) | rollout (s) | "
+        "update + sync (s) | params fingerprint (s) | step w/o fingerprint (s) | vs TRL | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for k, v in RESULTS.items():
         if k.startswith("grpo/"):
             _, name, det = k.split("/")
             trl = RESULTS.get(f"trl/{name}")
-            vs = f"{v['step_s'] / trl['step_s']:.3f}x ({v['step_without_fingerprint_s'] / trl['step_s']:.3f}x)" \
-                if trl else "-"
-            lines.append(f"| detrl {name} determinism={det} | {v['step_s']:.3f} | {v['rollout_s']:.3f} | "
-                         f"{v['update_and_sync_s']:.3f} | {v['params_fingerprint_s']:.3f} | "
-                         f"{v['step_without_fingerprint_s']:.3f} | {vs} | {v['peak_gib']:.1f} |")
-    onoff = [(k, v, RESULTS[k + "/on"]) for k, v in RESULTS.items() if k.startswith("engine/") and k + "/on" in RESULTS]
+            vs = (
+                f"{v['step_s'] / trl['step_s']:.3f}x ({v['step_without_fingerprint_s'] / trl['step_s']:.3f}x)"
+                if trl
+                else "-"
+            )
+            lines.append(
+                f"| detrl {name} determinism={det} | {v['step_s']:.3f} | {v['rollout_s']:.3f} | "
+                f"{v['update_and_sync_s']:.3f} | {v['params_fingerprint_s']:.3f} | "
+                f"{v['step_without_fingerprint_s']:.3f} | {vs} | {v['peak_gib']:.1f} |"
+            )
+    onoff = [
+        (k, v, RESULTS[k + "/on"])
+        for k, v in RESULTS.items()
+        if k.startswith("engine/") and k + "/on" in RESULTS
+    ]
     if onoff:
-        lines += ["", "| engine decode (256 new tokens/seq) | batch | off tok/s | on tok/s | on/off time |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| engine decode (256 new tokens/seq) | batch | off tok/s | on tok/s | on/off time |",
+            "|---|---|---|---|---|",
+        ]
         for k, off, on in onoff:
             _, name, b = k.split("/")
-            lines.append(f"| {name} | {b[1:]} | {off['engine_tok_s']:,.0f} | {on['engine_tok_s']:,.0f} | "
-                         f"{off['engine_tok_s'] / on['engine_tok_s']:.2f}x |")
+            lines.append(
+                f"| {name} | {b[1:]} | {off['engine_tok_s']:,.0f} | {on['engine_tok_s']:,.0f} | "
+                f"{off['engine_tok_s'] / on['engine_tok_s']:.2f}x |"
+            )
     for name in dict.fromkeys(k.split("/")[1] for k in RESULTS if k.startswith("grpo/")):
         on, off = RESULTS.get(f"grpo/{name}/on"), RESULTS.get(f"grpo/{name}/off")
         if on and off:
-            lines.append(f"\nGRPO step {name}: on/off = {on['step_s'] / off['step_s']:.2f}x (rollout "
-                         f"{on['rollout_s'] / off['rollout_s']:.2f}x, step w/o fingerprint "
-                         f"{on['step_without_fingerprint_s'] / off['step_without_fingerprint_s']:.2f}x)")
+            lines.append(
+                f"\nGRPO step {name}: on/off = {on['step_s'] / off['step_s']:.2f}x (rollout "
+                f"{on['rollout_s'] / off['rollout_s']:.2f}x, step w/o fingerprint "
+                f"{on['step_without_fingerprint_s'] / off['step_without_fingerprint_s']:.2f}x)"
+            )
     for k, v in RESULTS.items():
         if k.startswith("trl/"):
-            lines.append(f"| TRL {v['version']} GRPOTrainer {k.split('/')[1]} | {v['step_s']:.3f} | - | - | - | - | "
-                         f"1.00x | {v['peak_gib']:.1f} |")
+            lines.append(
+                f"| TRL {v['version']} GRPOTrainer {k.split('/')[1]} | {v['step_s']:.3f} | - | - | - | - | "
+                f"1.00x | {v['peak_gib']:.1f} |"
+            )
     return "\n".join(lines)
 
 
@@ -333,16 +468,24 @@ def main() -> None:
     sections = args.sections.split(",")
     jobs = []  # the targets first: the GRPO step vs TRL, then the rollout tables
     if "targets" in sections:  # issues 15 and 16 side by side: decode vs generate, on vs off, the step vs TRL
-        jobs += [lambda: trl_fresh(out), lambda: rollout_section(DENSE, [64], NEW, "off"),
-                 lambda: rollout_section(DENSE, [256], 0, "off"), lambda: rollout_section(DENSE, [64, 256], 0, "on"),
-                 lambda: rollout_section(MOE, [64], 0, "off"), lambda: rollout_section(MOE, [64], 0, "on"),
-                 lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
-                 lambda: grpo_section(DENSE, args.grpo_steps, out, "on"),
-                 lambda: grpo_section(MOE, args.grpo_steps, out, "off", layers=2),
-                 lambda: grpo_section(MOE, args.grpo_steps, out, "on", layers=2)]
+        jobs += [
+            lambda: trl_fresh(out),
+            lambda: rollout_section(DENSE, [64], NEW, "off"),
+            lambda: rollout_section(DENSE, [256], 0, "off"),
+            lambda: rollout_section(DENSE, [64, 256], 0, "on"),
+            lambda: rollout_section(MOE, [64], 0, "off"),
+            lambda: rollout_section(MOE, [64], 0, "on"),
+            lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
+            lambda: grpo_section(DENSE, args.grpo_steps, out, "on"),
+            lambda: grpo_section(MOE, args.grpo_steps, out, "off", layers=2),
+            lambda: grpo_section(MOE, args.grpo_steps, out, "on", layers=2),
+        ]
     if "vs_trl" in sections:  # the GRPO step off and on against TRL's, TRL first in a fresh process
-        jobs += [lambda: trl_fresh(out), lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
-                 lambda: grpo_section(DENSE, args.grpo_steps, out, "on")]
+        jobs += [
+            lambda: trl_fresh(out),
+            lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
+            lambda: grpo_section(DENSE, args.grpo_steps, out, "on"),
+        ]
     if "generate" in sections:  # the control: generate alone, before anything of detrl's runs in this process
         jobs += [lambda: generate_section(DENSE, [64], NEW)]
     if "grpo" in sections:
@@ -350,18 +493,26 @@ def main() -> None:
     if "trl" in sections:
         jobs += [lambda: trl_section(DENSE, 4, out)]
     if "rollout" in sections:
-        jobs += [lambda: rollout_section(DENSE, [64, 256], NEW), lambda: rollout_section(MOE, [64, 256],
-                                                                                          args.hf_moe_tokens)]
+        jobs += [
+            lambda: rollout_section(DENSE, [64, 256], NEW),
+            lambda: rollout_section(MOE, [64, 256], args.hf_moe_tokens),
+        ]
     if "engine" in sections:
         jobs += [lambda: rollout_section(DENSE, [64, 256], 0), lambda: rollout_section(MOE, [64, 256], 0)]
     if "onoff" in sections:  # determinism on vs off, like with like: engines, then GRPO steps
-        jobs += [lambda: rollout_section(DENSE, [64, 256], 0, "off"), lambda: rollout_section(DENSE, [64, 256], 0, "on"),
-                 lambda: rollout_section(MOE, [64], 0, "off"), lambda: rollout_section(MOE, [64], 0, "on"),
-                 lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
-                 lambda: grpo_section(DENSE, args.grpo_steps, out, "on")]
+        jobs += [
+            lambda: rollout_section(DENSE, [64, 256], 0, "off"),
+            lambda: rollout_section(DENSE, [64, 256], 0, "on"),
+            lambda: rollout_section(MOE, [64], 0, "off"),
+            lambda: rollout_section(MOE, [64], 0, "on"),
+            lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
+            lambda: grpo_section(DENSE, args.grpo_steps, out, "on"),
+        ]
     if "grpo_onoff" in sections:  # only the GRPO steps of onoff
-        jobs += [lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
-                 lambda: grpo_section(DENSE, args.grpo_steps, out, "on")]
+        jobs += [
+            lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
+            lambda: grpo_section(DENSE, args.grpo_steps, out, "on"),
+        ]
     if "grpo_moe" in sections:
         jobs += [lambda: grpo_section(MOE, 3, out)]
     for job in jobs:

@@ -35,12 +35,19 @@ def main() -> None:
     ops = dataclasses.replace(CUDA_DEFAULT_OPS, dtype=torch.bfloat16)
     reqs = [Request(i // 8, i % 8, tuple(p)) for i, p in enumerate(prompts(args.batch))]
     for graphs in (True, False):
-        eng = CudaEngine(model, ops, ctx, SamplingParams(1.0, 1.0, NEW, ()), seed=0, max_batch_size=args.batch,
-                         fixed_routing=False, graphs=graphs)
+        eng = CudaEngine(
+            model,
+            ops,
+            ctx,
+            SamplingParams(1.0, 1.0, NEW, ()),
+            seed=0,
+            max_batch_size=args.batch,
+            fixed_routing=False,
+            graphs=graphs,
+        )
         eng.generate(reqs)  # warm: captures the graphs
         step_ms = timed(lambda eng=eng: eng.generate(reqs)) / NEW * 1e3
-        print(f"graphs={graphs}: {step_ms:.3f} ms per decode step "
-              f"(batch {args.batch})", flush=True)
+        print(f"graphs={graphs}: {step_ms:.3f} ms per decode step (batch {args.batch})", flush=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         eng.generate(reqs[: args.batch])
         torch.cuda.synchronize()

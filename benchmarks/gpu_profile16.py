@@ -43,14 +43,26 @@ def main() -> None:
     ctx = -(-(len(prompts(1)[0]) + NEW) // 8) * 8
     for mode in args.modes.split(","):
         det = det_mod.setup(mode == "on", 0, "cuda", torch.bfloat16)
-        reqs = [Request(i // 8, i % 8, tuple(p), seed=det.sampling_seed(1, i // 8, i % 8))
-                for i, p in enumerate(prompts(args.batch))]
-        eng = CudaEngine(model, det.ops, ctx, SamplingParams(1.0, 1.0, NEW, ()), seed=0, max_batch_size=args.batch,
-                         fixed_routing=det.fixed_routing, dtype=torch.bfloat16)
+        reqs = [
+            Request(i // 8, i % 8, tuple(p), seed=det.sampling_seed(1, i // 8, i % 8))
+            for i, p in enumerate(prompts(args.batch))
+        ]
+        eng = CudaEngine(
+            model,
+            det.ops,
+            ctx,
+            SamplingParams(1.0, 1.0, NEW, ()),
+            seed=0,
+            max_batch_size=args.batch,
+            fixed_routing=det.fixed_routing,
+            dtype=torch.bfloat16,
+        )
         eng.generate(reqs)  # warm: captures the graphs
         step_ms = timed(lambda eng=eng, reqs=reqs: eng.generate(reqs)) / NEW * 1e3
-        print(f"[{mode}] {det.ops.name}: {step_ms:.3f} ms per decode step "
-              f"(batch {args.batch}, graphs)", flush=True)
+        print(
+            f"[{mode}] {det.ops.name}: {step_ms:.3f} ms per decode step (batch {args.batch}, graphs)",
+            flush=True,
+        )
         if not args.no_profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 eng.generate(reqs)
@@ -69,7 +81,9 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
 
         fwd_bwd()  # warm
-        print(f"[{mode}] trainer logprobs fwd+bwd {args.batch}x{ctx}: {timed(fwd_bwd) * 1e3:.1f} ms", flush=True)
+        print(
+            f"[{mode}] trainer logprobs fwd+bwd {args.batch}x{ctx}: {timed(fwd_bwd) * 1e3:.1f} ms", flush=True
+        )
         if not args.no_profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 fwd_bwd()

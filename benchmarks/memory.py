@@ -20,7 +20,9 @@ import torch
 
 
 def rss_mib() -> tuple[float, float]:
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    fields = dict(
+        line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line
+    )
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
@@ -31,8 +33,13 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--determinism", default="on")
-    p.add_argument("--rollout", type=int, default=0, help="instead: one engine batch of this many requests "
-                   "decoding --response tokens (sampling noise memory)")
+    p.add_argument(
+        "--rollout",
+        type=int,
+        default=0,
+        help="instead: one engine batch of this many requests "
+        "decoding --response tokens (sampling noise memory)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -51,11 +58,25 @@ def main() -> None:
     ctx = -(-(prompt + args.response) // 8) * 8
     register_configs()
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = to_typed(compose("train", overrides=[
-            f"determinism={args.determinism}", "logger=none", "model.init=random", f"model.vocab_size={args.vocab}",
-            f"model.hidden_size={args.hidden}", f"model.intermediate_size={2 * args.hidden}", "model.head_dim=16",
-            f"model.max_position_embeddings={ctx}", f"rollout.max_new_tokens={args.response}", "train_batch_size=1",
-            f"rollout.n={n}", f"micro_batch_size={n}"]))
+        cfg = to_typed(
+            compose(
+                "train",
+                overrides=[
+                    f"determinism={args.determinism}",
+                    "logger=none",
+                    "model.init=random",
+                    f"model.vocab_size={args.vocab}",
+                    f"model.hidden_size={args.hidden}",
+                    f"model.intermediate_size={2 * args.hidden}",
+                    "model.head_dim=16",
+                    f"model.max_position_embeddings={ctx}",
+                    f"rollout.max_new_tokens={args.response}",
+                    "train_batch_size=1",
+                    f"rollout.n={n}",
+                    f"micro_batch_size={n}",
+                ],
+            )
+        )
     det = setup(cfg.determinism, 0)
     model = build_model(cfg.model, seed=0).train()
     ref = build_model(cfg.model, seed=0).eval().requires_grad_(False)
@@ -65,8 +86,16 @@ def main() -> None:
     mask = torch.zeros(n, ctx - 1)
     mask[:, prompt - 1 : prompt - 1 + args.response] = 1.0
     versions = torch.where(mask > 0, 0, -1)
-    batch = StepBatch([], torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.long), ids, mask,
-                      torch.full((n, ctx - 1), -12.0) * mask, versions)
+    batch = StepBatch(
+        [],
+        torch.zeros(n),
+        torch.zeros(n),
+        torch.zeros(n, dtype=torch.long),
+        ids,
+        mask,
+        torch.full((n, ctx - 1), -12.0) * mask,
+        versions,
+    )
     adv = torch.randn(n, generator=g)
     rope = rope_tables(model.config, ctx)
     if args.rollout:
@@ -78,8 +107,10 @@ def main() -> None:
         t0 = time.perf_counter()
         out = engine.run_batch(reqs)
         _, peak = rss_mib()
-        print(f"rollout batch={args.rollout} vocab={args.vocab} new tokens={len(out[0].tokens)}: RSS before "
-              f"{before:.0f} MiB, peak {peak:.0f} MiB, +{peak - before:.0f} MiB, {time.perf_counter() - t0:.1f} s")
+        print(
+            f"rollout batch={args.rollout} vocab={args.vocab} new tokens={len(out[0].tokens)}: RSS before "
+            f"{before:.0f} MiB, peak {peak:.0f} MiB, +{peak - before:.0f} MiB, {time.perf_counter() - t0:.1f} s"
+        )
         return
     before, _ = rss_mib()
     t0 = time.perf_counter()
@@ -87,9 +118,11 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     _, peak = rss_mib()
     new_api = "mini" if "ppo_mini_batch_size" in inspect.getsource(type(cfg.algo)) else "old"
-    print(f"code={new_api} vocab={args.vocab} response={args.response} seqs={n} hidden={args.hidden} "
-          f"determinism={args.determinism}: RSS before {before:.0f} MiB, peak {peak:.0f} MiB, "
-          f"update +{peak - before:.0f} MiB, {seconds:.1f} s")
+    print(
+        f"code={new_api} vocab={args.vocab} response={args.response} seqs={n} hidden={args.hidden} "
+        f"determinism={args.determinism}: RSS before {before:.0f} MiB, peak {peak:.0f} MiB, "
+        f"update +{peak - before:.0f} MiB, {seconds:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -41,9 +41,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     default = OmegaConf.load(CONF / "rollout" / "embedded.yaml")  # the engine as a default run builds it
-    ap.add_argument("--workers", type=int, default=default.num_workers, help="engine workers (rollout.num_workers)")
-    ap.add_argument("--max-batch-size", type=int, default=default.max_batch_size,
-                    help="engine batch cap (rollout.max_batch_size)")
+    ap.add_argument(
+        "--workers", type=int, default=default.num_workers, help="engine workers (rollout.num_workers)"
+    )
+    ap.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=default.max_batch_size,
+        help="engine batch cap (rollout.max_batch_size)",
+    )
     args = ap.parse_args()
     from detrl.models.build import build_model
 
@@ -56,10 +62,21 @@ def main() -> None:
 
     def engine(on: bool):  # built once, as a run builds it; its workers start at the warm-up call
         det = setup(on, 0)
-        eng = EmbeddedEngine(model, det.ops, ctx, params, seed=0, num_workers=args.workers,
-                             max_batch_size=args.max_batch_size, fixed_routing=det.fixed_routing)
-        reqs = [Request(det.prompt_uid(i), j, tuple(p), det.sampling_seed(1, det.prompt_uid(i), j))
-                for i, p in enumerate(prompts) for j in range(args.n)]
+        eng = EmbeddedEngine(
+            model,
+            det.ops,
+            ctx,
+            params,
+            seed=0,
+            num_workers=args.workers,
+            max_batch_size=args.max_batch_size,
+            fixed_routing=det.fixed_routing,
+        )
+        reqs = [
+            Request(det.prompt_uid(i), j, tuple(p), det.sampling_seed(1, det.prompt_uid(i), j))
+            for i, p in enumerate(prompts)
+            for j in range(args.n)
+        ]
 
         def run():
             setup(on, 0)
@@ -74,21 +91,33 @@ def main() -> None:
     left = torch.zeros(len(prompts), width, dtype=torch.long)  # generate wants left padding
     attn = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
-        left[i, width - len(p):] = torch.tensor(p)
-        attn[i, width - len(p):] = 1
+        left[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = 1
 
     def hf_run():
         setup(False, 0)
         t = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(input_ids=left, attention_mask=attn, do_sample=True, max_new_tokens=args.new_tokens,
-                                 min_new_tokens=args.new_tokens, num_return_sequences=args.n, pad_token_id=0,
-                                 temperature=1.0, top_p=1.0, top_k=0)
+            out = model.generate(
+                input_ids=left,
+                attention_mask=attn,
+                do_sample=True,
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+                num_return_sequences=args.n,
+                pad_token_id=0,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+            )
         assert out.shape == (len(prompts) * args.n, width + args.new_tokens)
         return time.perf_counter() - t
 
-    runs = {"transformers generate(do_sample=True)": hf_run, "detrl engine, determinism=off": engine(False),
-            "detrl engine, determinism=on": engine(True)}
+    runs = {
+        "transformers generate(do_sample=True)": hf_run,
+        "detrl engine, determinism=off": engine(False),
+        "detrl engine, determinism=on": engine(True),
+    }
     times: dict[str, list[float]] = {k: [] for k in runs}
     for fn in runs.values():
         fn()  # warm-up
@@ -97,9 +126,11 @@ def main() -> None:
             times[name].append(fn())
     base = statistics.median(times["transformers generate(do_sample=True)"])
     tokens = len(prompts) * args.n * args.new_tokens
-    print(f"\n{args.prompts} prompts x {args.n} samples x {args.new_tokens} new tokens, engine: {args.workers} "
-          f"worker(s), batches of <= {args.max_batch_size}; CPU ({torch.get_num_threads()} threads), median of "
-          f"{args.repeats}\n")
+    print(
+        f"\n{args.prompts} prompts x {args.n} samples x {args.new_tokens} new tokens, engine: {args.workers} "
+        f"worker(s), batches of <= {args.max_batch_size}; CPU ({torch.get_num_threads()} threads), median of "
+        f"{args.repeats}\n"
+    )
     print("| sampler | median (s) | tokens/s | vs generate |\n|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)

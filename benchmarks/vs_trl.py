@@ -44,12 +44,26 @@ def detrl_steps(determinism: str, steps: int, out: Path) -> list[float]:
     from detrl.trainer import train
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = to_typed(compose("train", overrides=[
-            f"determinism={determinism}", f"steps={steps}", f"train_batch_size={PROMPTS}", f"rollout.n={SAMPLES}",
-            f"rollout.max_new_tokens={NEW_TOKENS}", "algo.use_kl_loss=false", "model.init=random", "seed=0",
-            f"micro_batch_size={PROMPTS * SAMPLES}", "algo.ppo_mini_batch_size=0", "logger=none",
-            "checkpoint.save_final=false", "algo.old_logprobs=current",  # TRL's work at num_iterations=1
-        ]))
+        cfg = to_typed(
+            compose(
+                "train",
+                overrides=[
+                    f"determinism={determinism}",
+                    f"steps={steps}",
+                    f"train_batch_size={PROMPTS}",
+                    f"rollout.n={SAMPLES}",
+                    f"rollout.max_new_tokens={NEW_TOKENS}",
+                    "algo.use_kl_loss=false",
+                    "model.init=random",
+                    "seed=0",
+                    f"micro_batch_size={PROMPTS * SAMPLES}",
+                    "algo.ppo_mini_batch_size=0",
+                    "logger=none",
+                    "checkpoint.save_final=false",
+                    "algo.old_logprobs=current",  # TRL's work at num_iterations=1
+                ],
+            )
+        )
     train(cfg, out)
     return [r["timing_s/step"] for r in load_metrics(out)][WARMUP:]
 
@@ -61,9 +75,19 @@ TRL_DEFAULTS: dict = {}
 
 
 BENCH_ARGS = dict(  # the same work as detrl's side: 8 prompts x 4 samples x 16 tokens, one step per batch
-    per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES, max_completion_length=NEW_TOKENS,
-    beta=0.0, num_iterations=1, steps_per_generation=1, gradient_accumulation_steps=1, learning_rate=1e-3,
-    use_vllm=False, use_cpu=True, temperature=1.0, seed=0, shuffle_dataset=False,
+    per_device_train_batch_size=PROMPTS * SAMPLES,
+    num_generations=SAMPLES,
+    max_completion_length=NEW_TOKENS,
+    beta=0.0,
+    num_iterations=1,
+    steps_per_generation=1,
+    gradient_accumulation_steps=1,
+    learning_rate=1e-3,
+    use_vllm=False,
+    use_cpu=True,
+    temperature=1.0,
+    seed=0,
+    shuffle_dataset=False,
 )
 QUIET_ARGS = dict(report_to="none", save_strategy="no", logging_steps=10_000, disable_tqdm=True)
 
@@ -113,8 +137,14 @@ def trl_steps(steps: int, out: Path, numerics: dict) -> list[float]:
 
     args = trl_args(out, steps, numerics)
     model = build_model(ModelConfig(), seed=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
-                          callbacks=[Timer()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[Timer()],
+    )
     trainer.train()
     return times[WARMUP:]
 
@@ -126,9 +156,15 @@ def main() -> None:
     args = ap.parse_args()
     register_configs()
     matched = "TRL GRPOTrainer, same numerics (bf16=False, gradient_checkpointing=False)"
-    defaults = "TRL GRPOTrainer, its defaults (bf16=True autocast, gradient_checkpointing=True): reference only"
-    times: dict[str, list[float]] = {"detrl, determinism=off": [], "detrl, determinism=on": [], matched: [],
-                                     defaults: []}
+    defaults = (
+        "TRL GRPOTrainer, its defaults (bf16=True autocast, gradient_checkpointing=True): reference only"
+    )
+    times: dict[str, list[float]] = {
+        "detrl, determinism=off": [],
+        "detrl, determinism=on": [],
+        matched: [],
+        defaults: [],
+    }
     per_round: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -142,11 +178,15 @@ def main() -> None:
                 times[k] += v
             per_round.append({k: statistics.median(v) for k, v in this.items()})
     shown = non_default_args(TRL_MATCHED)
-    print(f"\nTRL {__import__('trl').__version__} GRPOConfig arguments that differ from its defaults (matched row): "
-          + ", ".join(f"{k}={v!r}" for k, v in sorted(shown.items())))
+    print(
+        f"\nTRL {__import__('trl').__version__} GRPOConfig arguments that differ from its defaults (matched row): "
+        + ", ".join(f"{k}={v!r}" for k, v in sorted(shown.items()))
+    )
     trl = statistics.median(times[matched])
-    print(f"\n{PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, GRPO, no reference model, CPU "
-          f"({torch.get_num_threads()} threads), fp32; median of {args.rounds} x {args.steps - WARMUP} steps\n")
+    print(
+        f"\n{PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, GRPO, no reference model, CPU "
+        f"({torch.get_num_threads()} threads), fp32; median of {args.rounds} x {args.steps - WARMUP} steps\n"
+    )
     print("| trainer | median step (s) | vs TRL (same numerics) | per round |\n|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)

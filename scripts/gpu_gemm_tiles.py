@@ -28,13 +28,29 @@ import triton.testing  # noqa: E402
 from detrl.models import triton_ops as T  # noqa: E402
 
 BF = torch.bfloat16
-SHAPES = {"0.6B qkv": (1024, 4096), "0.6B o": (2048, 1024), "0.6B gate_up": (1024, 6144),
-          "0.6B down": (3072, 1024), "0.6B lm_head": (1024, 151936), "moe qkv": (2048, 5120),
-          "moe o": (4096, 2048), "moe router": (2048, 128)}
-TILINGS = [T.Tiles(64, 64, 64, 4, 3), T.Tiles(64, 64, 64, 4, 4), T.Tiles(64, 32, 64, 4, 4),
-           T.Tiles(64, 128, 64, 4, 3), T.Tiles(64, 64, 128, 4, 3), T.Tiles(64, 64, 32, 4, 4),
-           T.Tiles(128, 128, 64, 8, 3), T.Tiles(128, 256, 64, 8, 3), T.Tiles(128, 128, 64, 4, 4),
-           T.Tiles(16, 64, 64, 4, 4), T.Tiles(32, 64, 128, 4, 4)]
+SHAPES = {
+    "0.6B qkv": (1024, 4096),
+    "0.6B o": (2048, 1024),
+    "0.6B gate_up": (1024, 6144),
+    "0.6B down": (3072, 1024),
+    "0.6B lm_head": (1024, 151936),
+    "moe qkv": (2048, 5120),
+    "moe o": (4096, 2048),
+    "moe router": (2048, 128),
+}
+TILINGS = [
+    T.Tiles(64, 64, 64, 4, 3),
+    T.Tiles(64, 64, 64, 4, 4),
+    T.Tiles(64, 32, 64, 4, 4),
+    T.Tiles(64, 128, 64, 4, 3),
+    T.Tiles(64, 64, 128, 4, 3),
+    T.Tiles(64, 64, 32, 4, 4),
+    T.Tiles(128, 128, 64, 8, 3),
+    T.Tiles(128, 256, 64, 8, 3),
+    T.Tiles(128, 128, 64, 4, 4),
+    T.Tiles(16, 64, 64, 4, 4),
+    T.Tiles(32, 64, 128, 4, 4),
+]
 BIG = 64 * 272
 
 
@@ -72,7 +88,10 @@ def main() -> None:
         for m, a in xs.items():
             if n > 100000 and m == BIG:
                 continue
-            times = {"cublas": us(lambda a=a, w=w: F.linear(a, w)), "tiles_for": us(lambda a=a, w=w: T.gemm(a, w))}
+            times = {
+                "cublas": us(lambda a=a, w=w: F.linear(a, w)),
+                "tiles_for": us(lambda a=a, w=w: T.gemm(a, w)),
+            }
             for t in TILINGS:
                 if m > 256 and t.bm < 64:
                     continue
@@ -80,13 +99,18 @@ def main() -> None:
             row["us"][m] = times
         res["shapes"][label] = row
         print(f"\n== {label} K={k} N={n}: max|fixed - cublas| {cublas_err:.4g}", flush=True)
-        print("  same bits as the fixed tiles (unsplit and split, rows 1/7/64/300, inside 17408):",
-              {kk: v for kk, v in row["bits"].items()}, flush=True)
+        print(
+            "  same bits as the fixed tiles (unsplit and split, rows 1/7/64/300, inside 17408):",
+            {kk: v for kk, v in row["bits"].items()},
+            flush=True,
+        )
         for m, times in row["us"].items():
             best = min((v, kk) for kk, v in times.items() if kk != "cublas")
-            print(f"  M={m}: cublas {times['cublas']:.1f} us; tiles_for {times['tiles_for']:.1f}; "
-                  f"best {best[1]} {best[0]:.1f}; " + ", ".join(f"{kk} {v:.1f}" for kk, v in times.items()),
-                  flush=True)
+            print(
+                f"  M={m}: cublas {times['cublas']:.1f} us; tiles_for {times['tiles_for']:.1f}; "
+                f"best {best[1]} {best[0]:.1f}; " + ", ".join(f"{kk} {v:.1f}" for kk, v in times.items()),
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 

@@ -64,9 +64,16 @@ def rows_invariant(fn, k, total=320) -> str:
 
 
 def gemms():
-    shapes = {"0.6B qkv": (1024, 4096), "0.6B o": (2048, 1024), "0.6B gate_up": (1024, 6144),
-              "0.6B down": (3072, 1024), "0.6B lm_head": (1024, 151936), "moe qkv": (2048, 5120),
-              "moe o": (4096, 2048), "moe router": (2048, 128)}
+    shapes = {
+        "0.6B qkv": (1024, 4096),
+        "0.6B o": (2048, 1024),
+        "0.6B gate_up": (1024, 6144),
+        "0.6B down": (3072, 1024),
+        "0.6B lm_head": (1024, 151936),
+        "moe qkv": (2048, 5120),
+        "moe o": (4096, 2048),
+        "moe router": (2048, 128),
+    }
     for name, (k, n) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=BF) * k**-0.5
         x = torch.randn(300, k, device="cuda", dtype=BF)
@@ -78,28 +85,44 @@ def gemms():
             a = torch.randn(m, k, device="cuda", dtype=BF)
             if n > 100000 and m > 256:
                 continue
-            out(f"gemm {name} M={m}: ms triton / cublas",
-                (round(ms(lambda a=a, w=w: T.gemm(a, w)), 4), round(ms(lambda a=a, w=w: F.linear(a, w)), 4)))
+            out(
+                f"gemm {name} M={m}: ms triton / cublas",
+                (round(ms(lambda a=a, w=w: T.gemm(a, w)), 4), round(ms(lambda a=a, w=w: F.linear(a, w)), 4)),
+            )
 
 
 def norms():
     x = torch.randn(64, 272, 1024, device="cuda", dtype=BF)
     w = torch.randn(1024, device="cuda", dtype=BF)
-    out("rms max|triton - torch|", (T.rms_norm(x, w, 1e-6).float() - rms_norm(x, w, 1e-6).float()).abs().max().item())
+    out(
+        "rms max|triton - torch|",
+        (T.rms_norm(x, w, 1e-6).float() - rms_norm(x, w, 1e-6).float()).abs().max().item(),
+    )
     flat = x.view(-1, 1024)
     out("rms triton rows", rows_invariant(lambda a: T.rms_norm(a, w, 1e-6), 1024))
     out("rms torch rows", rows_invariant(lambda a: rms_norm(a, w, 1e-6), 1024))
     qkv = torch.randn(8, 272, 32, 128, device="cuda", dtype=BF)
     wq = torch.randn(24, 128, device="cuda", dtype=BF)
-    out("rms heads slice max|diff|", (T.rms_norm(qkv[:, :, :24], wq, 1e-6).float()
-                                      - rms_norm(qkv[:, :, :24], wq, 1e-6).float()).abs().max().item())
-    out("rms M=17408 ms triton / torch", (round(ms(lambda: T.rms_norm(flat, w, 1e-6)), 4),
-                                          round(ms(lambda: rms_norm(flat, w, 1e-6)), 4)))
+    out(
+        "rms heads slice max|diff|",
+        (T.rms_norm(qkv[:, :, :24], wq, 1e-6).float() - rms_norm(qkv[:, :, :24], wq, 1e-6).float())
+        .abs()
+        .max()
+        .item(),
+    )
+    out(
+        "rms M=17408 ms triton / torch",
+        (round(ms(lambda: T.rms_norm(flat, w, 1e-6)), 4), round(ms(lambda: rms_norm(flat, w, 1e-6)), 4)),
+    )
     lp = torch.randn(300, 151936, device="cuda", dtype=BF)
     f = lambda a: F.log_softmax(a.float(), -1)  # noqa: E731
     ref = f(lp)
-    out("log_softmax torch rows", all(torch.equal(f(lp[o : o + m]), ref[o : o + m]) for m in (1, 2, 5, 16, 17, 64, 100)
-                                      for o in (0, 7)))
+    out(
+        "log_softmax torch rows",
+        all(
+            torch.equal(f(lp[o : o + m]), ref[o : o + m]) for m in (1, 2, 5, 16, 17, 64, 100) for o in (0, 7)
+        ),
+    )
 
 
 def attention():
@@ -107,13 +130,18 @@ def attention():
         b, length, d = 4, 272, 128
         q = torch.randn(b, h, length, d, device="cuda", dtype=BF)
         k, v = (torch.randn(b, hkv, length, d, device="cuda", dtype=BF) for _ in range(2))
-        mask = torch.arange(length, device="cuda")[None, None, None, :] <= torch.arange(length, device="cuda")[None, None, :, None]
+        mask = (
+            torch.arange(length, device="cuda")[None, None, None, :]
+            <= torch.arange(length, device="cuda")[None, None, :, None]
+        )
         train = T.attention(q, k, v, mask, d**-0.5)
         ref = sdpa_attention(q, k, v, mask, d**-0.5)
         out(f"attn {name} train max|triton - sdpa|", (train.float() - ref.float()).abs().max().item())
         bad = []
         for p in (0, 1, 5, 63, 64, 65, 127, 200, 271):
-            m1 = torch.arange(length, device="cuda")[None, None, None, :] <= torch.full((b, 1, 1, 1), p, device="cuda")
+            m1 = torch.arange(length, device="cuda")[None, None, None, :] <= torch.full(
+                (b, 1, 1, 1), p, device="cuda"
+            )
             dec = T.attention(q[:, :, p : p + 1], k, v, m1, d**-0.5)
             if not torch.equal(dec[:, :, 0], train[:, :, p]):
                 bad.append(p)
@@ -128,19 +156,31 @@ def attention():
         g1 = torch.autograd.grad(T.attention(qs, ks, vs, mask, d**-0.5), (qs, ks, vs), go)
         g2 = torch.autograd.grad(T.attention(qs, ks, vs, mask, d**-0.5), (qs, ks, vs), go)
         gr = torch.autograd.grad(sdpa_attention(qs, ks, vs, mask, d**-0.5), (qs, ks, vs), go)
-        out(f"attn {name} backward max|triton - sdpa| (q, k, v)",
-            [(a.float() - r.float()).abs().max().item() for a, r in zip(g1, gr)])
+        out(
+            f"attn {name} backward max|triton - sdpa| (q, k, v)",
+            [(a.float() - r.float()).abs().max().item() for a, r in zip(g1, gr)],
+        )
         out(f"attn {name} backward run to run bitwise", all(torch.equal(a, b2) for a, b2 in zip(g1, g2)))
         big_q = torch.randn(64, h, length, d, device="cuda", dtype=BF)
         big_k, big_v = (torch.randn(64, hkv, length, d, device="cuda", dtype=BF) for _ in range(2))
         dq = big_q[:, :, :1]
-        m1 = torch.arange(length, device="cuda")[None, None, None, :] <= torch.full((64, 1, 1, 1), 200, device="cuda")
+        m1 = torch.arange(length, device="cuda")[None, None, None, :] <= torch.full(
+            (64, 1, 1, 1), 200, device="cuda"
+        )
         args = (big_q, big_k, big_v)
-        out(f"attn {name} B=64 train ms triton / sdpa flash", (
-            round(ms(lambda a=args, m=mask, s=d**-0.5: T.attention(*a, m, s)), 4),
-            round(ms(lambda a=args: F.scaled_dot_product_attention(*a, is_causal=True, enable_gqa=True)), 4)))
-        out(f"attn {name} B=64 decode ms triton",
-            round(ms(lambda a=(dq, big_k, big_v, m1), s=d**-0.5: T.attention(*a, s)), 4))
+        out(
+            f"attn {name} B=64 train ms triton / sdpa flash",
+            (
+                round(ms(lambda a=args, m=mask, s=d**-0.5: T.attention(*a, m, s)), 4),
+                round(
+                    ms(lambda a=args: F.scaled_dot_product_attention(*a, is_causal=True, enable_gqa=True)), 4
+                ),
+            ),
+        )
+        out(
+            f"attn {name} B=64 decode ms triton",
+            round(ms(lambda a=(dq, big_k, big_v, m1), s=d**-0.5: T.attention(*a, s)), 4),
+        )
 
 
 def moe():
@@ -167,13 +207,17 @@ def moe():
     g1 = torch.autograd.grad(T.moe(xs, tw, ti, gus, dns, None, F.silu), (xs, gus, dns), go)
     g2 = torch.autograd.grad(T.moe(xs, tw, ti, gus, dns, None, F.silu), (xs, gus, dns), go)
     gr = torch.autograd.grad(grouped_moe(xs, tw, ti, gus, dns, None, F.silu), (xs, gus, dns), go)
-    out("moe backward max|triton - grouped_mm| (x, gate_up, down)",
-        [(a.float() - r.float()).abs().max().item() for a, r in zip(g1, gr)])
+    out(
+        "moe backward max|triton - grouped_mm| (x, gate_up, down)",
+        [(a.float() - r.float()).abs().max().item() for a, r in zip(g1, gr)],
+    )
     out("moe backward run to run bitwise", all(torch.equal(a, b) for a, b in zip(g1, g2)))
     for m in (64, 64 * 272):
         a = torch.randn(m, hdim, device="cuda", dtype=BF)
-        out(f"moe M={m} ms triton / grouped_mm", (round(ms(lambda a=a: run(T.moe, a)), 4),
-                                                  round(ms(lambda a=a: run(grouped_moe, a)), 4)))
+        out(
+            f"moe M={m} ms triton / grouped_mm",
+            (round(ms(lambda a=a: run(T.moe, a)), 4), round(ms(lambda a=a: run(grouped_moe, a)), 4)),
+        )
     # graph capture of the whole block
     a = torch.randn(64, hdim, device="cuda", dtype=BF)
     s = torch.cuda.Stream()
@@ -195,7 +239,10 @@ def linear_backward():
     g1 = torch.autograd.grad(T.linear(x, w), (x, w), go)
     g2 = torch.autograd.grad(T.linear(x, w), (x, w), go)
     gr = torch.autograd.grad(F.linear(x, w), (x, w), go)
-    out("linear backward max|triton - torch|", [(a.float() - r.float()).abs().max().item() for a, r in zip(g1, gr)])
+    out(
+        "linear backward max|triton - torch|",
+        [(a.float() - r.float()).abs().max().item() for a, r in zip(g1, gr)],
+    )
     out("linear backward run to run bitwise", all(torch.equal(a, b) for a, b in zip(g1, g2)))
 
 

@@ -11,8 +11,14 @@ from detrl.config import TrainConfig, register_configs, to_typed
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
 # a short warm start (cached once per session) so that rewards, advantages and updates are non-zero
-TINY = ["steps=3", "train_batch_size=8", "rollout.n=4", "warmstart.steps=40", "logger=none",
-        "checkpoint.save_final=false"]
+TINY = [
+    "steps=3",
+    "train_batch_size=8",
+    "rollout.n=4",
+    "warmstart.steps=40",
+    "logger=none",
+    "checkpoint.save_final=false",
+]
 
 register_configs()
 

@@ -12,8 +12,13 @@ import sys
 
 ENTRY_POINTS = ("sglang.srt.server_args", "sglang.srt.sampling.sampling_params")
 # import name -> distribution name, where they differ
-DISTRIBUTIONS = {"IPython": "ipython", "PIL": "pillow", "zmq": "pyzmq", "typing_extensions": "typing-extensions",
-                 "pydantic_core": "pydantic"}
+DISTRIBUTIONS = {
+    "IPython": "ipython",
+    "PIL": "pillow",
+    "zmq": "pyzmq",
+    "typing_extensions": "typing-extensions",
+    "pydantic_core": "pydantic",
+}
 PROVIDED = {"torch", "triton", "sglang"}  # installed by the Makefile's own pins
 
 

@@ -42,13 +42,16 @@ def _loss(ratio, adv, low=0.2, high=0.2, c=3.0):
     return compute_policy_loss(logp, torch.zeros(1, 1), torch.tensor([[adv]]), torch.ones(1, 1), low, high, c)
 
 
-@pytest.mark.parametrize("ratio, adv, want, clipped, dual", [
-    (1.5, 1.0, -1.2, 1.0, 0.0),   # above 1+eps with A>0: clipped
-    (0.5, 1.0, -0.5, 0.0, 0.0),   # below 1-eps with A>0: the unclipped term is the max
-    (0.5, -1.0, 0.8, 1.0, 0.0),   # below 1-eps with A<0: clipped
-    (1.1, -1.0, 1.1, 0.0, 0.0),   # inside the trust region
-    (5.0, -1.0, 3.0, 0.0, 1.0),   # A<0, huge ratio: the dual clip caps at -A*c
-])
+@pytest.mark.parametrize(
+    "ratio, adv, want, clipped, dual",
+    [
+        (1.5, 1.0, -1.2, 1.0, 0.0),  # above 1+eps with A>0: clipped
+        (0.5, 1.0, -0.5, 0.0, 0.0),  # below 1-eps with A>0: the unclipped term is the max
+        (0.5, -1.0, 0.8, 1.0, 0.0),  # below 1-eps with A<0: clipped
+        (1.1, -1.0, 1.1, 0.0, 0.0),  # inside the trust region
+        (5.0, -1.0, 3.0, 0.0, 1.0),  # A<0, huge ratio: the dual clip caps at -A*c
+    ],
+)
 def test_policy_loss_both_clips_and_dual_clip(ratio, adv, want, clipped, dual):
     loss, m = _loss(ratio, adv)
     assert loss.item() == pytest.approx(want, abs=1e-6)
@@ -66,19 +69,33 @@ LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # the last row is fully masked
 
 
-@pytest.mark.parametrize("mode, want", [
-    ("token-mean", 10 / 4),
-    ("seq-mean-token-mean", (6 / (3 + 1e-8) + 4 / (1 + 1e-8)) / 2),
-    ("seq-mean-token-sum", (6 + 4) / 2),
-    ("seq-mean-token-sum-norm", 10 / 3),  # Σ token sums / loss_scale_factor (default T = 3): no / sequences
-])
+@pytest.mark.parametrize(
+    "mode, want",
+    [
+        ("token-mean", 10 / 4),
+        ("seq-mean-token-mean", (6 / (3 + 1e-8) + 4 / (1 + 1e-8)) / 2),
+        ("seq-mean-token-sum", (6 + 4) / 2),
+        (
+            "seq-mean-token-sum-norm",
+            10 / 3,
+        ),  # Σ token sums / loss_scale_factor (default T = 3): no / sequences
+    ],
+)
 def test_agg_loss_hand_computed_and_masked_rows_excluded(mode, want):
     assert agg_loss(LOSS, MASK, mode).item() == pytest.approx(want, abs=1e-6)
 
 
-def _verl_agg_loss(loss_mat, loss_mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
-                   loss_scale_factor=None):
+def _verl_agg_loss(
+    loss_mat,
+    loss_mask,
+    mode,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+):
     """verl's core_algos.agg_loss (volcengine/verl b178a3c), transcribed for the comparison."""
+
     def masked_sum(x, m):
         return (x * m).sum()
 
@@ -106,14 +123,24 @@ def _verl_agg_loss(loss_mat, loss_mask, mode, dp_size=1, batch_num_tokens=None, 
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 6), st.integers(1, 5), st.integers(0, 2**31 - 1), st.sampled_from(MODES),
-       st.booleans(), st.integers(1, 40))
+@given(
+    st.integers(1, 6),
+    st.integers(1, 5),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(MODES),
+    st.booleans(),
+    st.integers(1, 40),
+)
 def test_agg_loss_equals_verls_with_and_without_global_batch_info(b, t, seed, mode, glob, factor):
     g = torch.Generator().manual_seed(seed)
     loss = torch.randn(b, t, generator=g, dtype=torch.float64)
     mask = (torch.rand(b, t, generator=g) > 0.3).double()
     mask[0, 0] = 1.0  # at least one token (verl divides by 0 otherwise)
-    info = dict(batch_num_tokens=mask.sum().item() + 3, global_batch_size=b + 2, loss_scale_factor=factor) if glob else {}
+    info = (
+        dict(batch_num_tokens=mask.sum().item() + 3, global_batch_size=b + 2, loss_scale_factor=factor)
+        if glob
+        else {}
+    )
     ours, theirs = agg_loss(loss, mask, mode, **info), _verl_agg_loss(loss, mask, mode, **info)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-12, abs=1e-12)
 
@@ -169,7 +196,9 @@ def test_micro_batches_with_global_denominators_sum_to_the_full_loss(b, t, seed,
     mask = (torch.rand(b, t, generator=g) > 0.3).double()
     split = data.draw(st.integers(1, b - 1))
     glob = dict(batch_num_tokens=mask.sum(), global_batch_size=(mask.sum(-1) > 0).sum(), loss_scale_factor=t)
-    parts = agg_loss(loss[:split], mask[:split], mode, **glob) + agg_loss(loss[split:], mask[split:], mode, **glob)
+    parts = agg_loss(loss[:split], mask[:split], mode, **glob) + agg_loss(
+        loss[split:], mask[split:], mode, **glob
+    )
     assert parts.item() == pytest.approx(agg_loss(loss, mask, mode).item(), abs=1e-9)
 
 

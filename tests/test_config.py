@@ -29,7 +29,11 @@ def test_every_group_combination_composes(choice):
 
 def test_algo_defaults_follow_the_field():
     grpo, dapo = make_cfg("algo=grpo").algo, make_cfg("algo=dapo").algo
-    assert (grpo.clip_ratio_low, grpo.clip_ratio_high, grpo.loss_agg_mode) == (0.2, 0.2, "seq-mean-token-mean")
+    assert (grpo.clip_ratio_low, grpo.clip_ratio_high, grpo.loss_agg_mode) == (
+        0.2,
+        0.2,
+        "seq-mean-token-mean",
+    )
     assert grpo.use_kl_loss and grpo.kl_loss_coef == 0.001 and grpo.kl_loss_type == "low_var_kl"
     assert (dapo.clip_ratio_low, dapo.clip_ratio_high, dapo.clip_ratio_c) == (0.2, 0.28, 10.0)
     assert dapo.loss_agg_mode == "token-mean" and not dapo.use_kl_loss
@@ -41,19 +45,22 @@ def test_overrides_reach_the_typed_config():
     assert (cfg.model.hidden_size, cfg.model.num_experts, cfg.seed, cfg.repeat) == (64, 8, 7, 2)
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c=0.5"),
-    ("algo.overlong.buffer_len=-1", "algo.overlong.buffer_len=-1"),
-    ("algo.loss_agg_mode=foo", "algo.loss_agg_mode='foo'"),
-    ("algo.kl_loss_type=k9", "algo.kl_loss_type='k9'"),
-    ("rollout.top_p=0", "rollout.top_p=0"),
-    ("rollout.partial.stale_tokens=drop", "rollout.partial.stale_tokens='drop'"),
-    ("grad_clip=-1", "grad_clip=-1"),
-    ("algo.ppo_mini_batch_size=5", "algo.ppo_mini_batch_size=5"),
-    ("algo.ppo_epochs=0", "algo.ppo_epochs=0"),
-    ("algo.filter_groups.metric=len", "algo.filter_groups.metric='len'"),
-    ("optim.lr_scheduler_type=linear", "optim.lr_scheduler_type='linear'"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c=0.5"),
+        ("algo.overlong.buffer_len=-1", "algo.overlong.buffer_len=-1"),
+        ("algo.loss_agg_mode=foo", "algo.loss_agg_mode='foo'"),
+        ("algo.kl_loss_type=k9", "algo.kl_loss_type='k9'"),
+        ("rollout.top_p=0", "rollout.top_p=0"),
+        ("rollout.partial.stale_tokens=drop", "rollout.partial.stale_tokens='drop'"),
+        ("grad_clip=-1", "grad_clip=-1"),
+        ("algo.ppo_mini_batch_size=5", "algo.ppo_mini_batch_size=5"),
+        ("algo.ppo_epochs=0", "algo.ppo_epochs=0"),
+        ("algo.filter_groups.metric=len", "algo.filter_groups.metric='len'"),
+        ("optim.lr_scheduler_type=linear", "optim.lr_scheduler_type='linear'"),
+    ],
+)
 def test_invalid_settings_fail_with_one_line_naming_the_value(override, needle):
     with pytest.raises(ConfigError) as e:
         make_cfg(override)
@@ -61,16 +68,22 @@ def test_invalid_settings_fail_with_one_line_naming_the_value(override, needle):
     assert needle in msg and "\n" not in msg
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("model=qwen4", "model/qwen4"),
-    ("steps=abc", "'abc'"),
-    ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c=0.5"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("model=qwen4", "model/qwen4"),
+        ("steps=abc", "'abc'"),
+        ("algo.clip_ratio_c=0.5", "algo.clip_ratio_c=0.5"),
+    ],
+)
 def test_cli_rejects_bad_input_without_leaving_a_run_dir(tmp_path, override, needle):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "train.py", override, f"hydra.run.dir={run_dir}", "logger=none"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0
     assert needle in proc.stderr

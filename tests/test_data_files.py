@@ -25,15 +25,33 @@ def _task(tmp_path, *overrides):
 
 def test_gsm8k_parquet_and_jsonl_give_the_same_rows_and_a_seeded_split(tmp_path):
     files = write_gsm8k(tmp_path)
-    a = _task(tmp_path, "data=gsm8k", f"data.path={files['parquet']}", "data.chat_template=false", "data.eval_fraction=0.2")
-    b = _task(tmp_path, "data=gsm8k", f"data.path={files['jsonl']}", "data.chat_template=false", "data.eval_fraction=0.2")
+    a = _task(
+        tmp_path,
+        "data=gsm8k",
+        f"data.path={files['parquet']}",
+        "data.chat_template=false",
+        "data.eval_fraction=0.2",
+    )
+    b = _task(
+        tmp_path,
+        "data=gsm8k",
+        f"data.path={files['jsonl']}",
+        "data.chat_template=false",
+        "data.eval_fraction=0.2",
+    )
     assert len(a) == 16 and len(a.eval_task) == 4
     assert [a[i] for i in range(16)] == [b[i] for i in range(16)]
     golds = {str(x + y) for x, y in [(int(q.split()[2]), int(q.split()[6])) for q, _ in GSM8K_ROWS]}
     assert {a[i].answer for i in range(16)} | {a.eval_task[i].answer for i in range(4)} == golds
     assert a[0].prompt.endswith('Let\'s think step by step and output the final answer after "####".')
-    c = _task(tmp_path, "data=gsm8k", f"data.path={files['parquet']}", "data.eval_fraction=0.2", "seed=1",
-              "data.chat_template=false")
+    c = _task(
+        tmp_path,
+        "data=gsm8k",
+        f"data.path={files['parquet']}",
+        "data.eval_fraction=0.2",
+        "seed=1",
+        "data.chat_template=false",
+    )
     assert {c.eval_task[i].answer for i in range(4)} != {a.eval_task[i].answer for i in range(4)}
 
 
@@ -43,21 +61,35 @@ def test_math_columns_default_and_map(tmp_path):
     hendrycks = _task(tmp_path, "data=math", f"data.path={files['jsonl']}", "data.chat_template=false")
     assert sorted(dapo[i].answer for i in range(20)) == sorted(hendrycks[i].answer for i in range(20))
     assert isinstance(dapo[0].prompt, list) and dapo[0].prompt[0]["role"] == "user"
-    mapped = _task(tmp_path, "data=math", f"data.path={files['parquet']}", "data.answer_key=reward_model.ground_truth",
-                   "data.prompt_key=prompt", "data.chat_template=false", "data.shuffle=false")
+    mapped = _task(
+        tmp_path,
+        "data=math",
+        f"data.path={files['parquet']}",
+        "data.answer_key=reward_model.ground_truth",
+        "data.prompt_key=prompt",
+        "data.chat_template=false",
+        "data.shuffle=false",
+    )
     assert mapped[0].answer == "\\frac{1}{2}"
 
 
-@pytest.mark.parametrize("setup,overrides,message", [
-    (None, ["data.path=/nonexistent/x.parquet"], "data.path='/nonexistent/x.parquet': no such file or directory"),
-    ("empty_dir", [], "no .parquet, .jsonl or .json files"),
-    ("bad_jsonl", [], "cannot read"),
-    ("bad_parquet", [], "cannot read"),
-    ("txt", [], "is not .parquet, .jsonl or .json"),
-    ("good", ["data.prompt_key=query"], "data.prompt_key='query': no such column"),
-    ("good", ["data.answer_key=reward_model.gt"], "data.answer_key='reward_model.gt': no such column"),
-    ("mixed", [], "mixes parquet and json files"),
-])
+@pytest.mark.parametrize(
+    "setup,overrides,message",
+    [
+        (
+            None,
+            ["data.path=/nonexistent/x.parquet"],
+            "data.path='/nonexistent/x.parquet': no such file or directory",
+        ),
+        ("empty_dir", [], "no .parquet, .jsonl or .json files"),
+        ("bad_jsonl", [], "cannot read"),
+        ("bad_parquet", [], "cannot read"),
+        ("txt", [], "is not .parquet, .jsonl or .json"),
+        ("good", ["data.prompt_key=query"], "data.prompt_key='query': no such column"),
+        ("good", ["data.answer_key=reward_model.gt"], "data.answer_key='reward_model.gt': no such column"),
+        ("mixed", [], "mixes parquet and json files"),
+    ],
+)
 def test_a_missing_or_malformed_file_or_column_is_one_line_naming_it(tmp_path, setup, overrides, message):
     path = tmp_path / "d"
     if setup == "empty_dir":
@@ -104,12 +136,15 @@ def test_arithmetic_split_only_with_a_fraction():
 
 
 # the Qwen3 model cards' counts: 0.6B (0.44B non-embedding), 1.7B (1.4B), 8.2B (6.95B), 30.5B (29.9B)
-@pytest.mark.parametrize("preset,arch,params,non_embedding", [
-    ("qwen3_0p6b", "qwen3", 596_049_920, 0.44e9),
-    ("qwen3_1p7b", "qwen3", 1_720_574_976, 1.4e9),
-    ("qwen3_8b", "qwen3", 8_190_735_360, 6.95e9),
-    ("qwen3_30b_a3b", "qwen3_moe", 30_532_122_624, 29.9e9),
-])
+@pytest.mark.parametrize(
+    "preset,arch,params,non_embedding",
+    [
+        ("qwen3_0p6b", "qwen3", 596_049_920, 0.44e9),
+        ("qwen3_1p7b", "qwen3", 1_720_574_976, 1.4e9),
+        ("qwen3_8b", "qwen3", 8_190_735_360, 6.95e9),
+        ("qwen3_30b_a3b", "qwen3_moe", 30_532_122_624, 29.9e9),
+    ],
+)
 def test_model_presets_have_the_published_shapes(preset, arch, params, non_embedding):
     import torch
     from transformers import AutoModelForCausalLM
@@ -134,7 +169,9 @@ def test_checkpoint_dir_checks_name_what_is_missing(tmp_path):
     with pytest.raises(ConfigError) as e:
         checkpoint_architecture(tmp_path / "c", need_tokenizer=True)
     assert "missing config.json, model weights" in str(e.value) and "a tokenizer" in str(e.value)
-    (tmp_path / "c" / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "c" / "config.json").write_text(
+        json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    )
     (tmp_path / "c" / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError) as e:
         checkpoint_architecture(tmp_path / "c", need_tokenizer=True)

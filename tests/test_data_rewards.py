@@ -117,7 +117,9 @@ def test_reward_workers_score_the_same_and_count_failures_from_the_pool():
     rows = MathTask(["q"], ["\\frac{1}{2}"], reward_workers=2)
     responses = ["$\\boxed{0.5}$", "$\\boxed{\\frac{2}{4}}$", "$\\boxed{3}$", "no answer"]
     try:
-        assert rows.score_texts(responses, "\\frac{1}{2}") == [math_reward(r, "\\frac{1}{2}") for r in responses]
+        assert rows.score_texts(responses, "\\frac{1}{2}") == [
+            math_reward(r, "\\frac{1}{2}") for r in responses
+        ]
     finally:
         rows._executor.shutdown(cancel_futures=True)
 

@@ -22,8 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 FP = ("fp/params", "fp/rollout_tokens", "fp/rollout_logprobs", "fp/batch_order")
 # (model, determinism, loss_agg_mode) of the gradient check; seq-mean-token-sum-norm has no sequence count in
 # its denominator, so it is the one that needs dp_size to survive averaging
-GRAD_CASES = [("qwen3", "on", "token-mean"), ("qwen3", "off", "seq-mean-token-sum-norm"),
-              ("qwen3_moe", "on", "seq-mean-token-mean"), ("qwen3_moe", "off", "token-mean")]
+GRAD_CASES = [
+    ("qwen3", "on", "token-mean"),
+    ("qwen3", "off", "seq-mean-token-sum-norm"),
+    ("qwen3_moe", "on", "seq-mean-token-mean"),
+    ("qwen3_moe", "off", "token-mean"),
+]
 
 
 def _free_port() -> int:
@@ -33,8 +37,18 @@ def _free_port() -> int:
 
 
 def _torchrun(*args: str, nproc: int = 2) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        *args,
+    ]
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)

@@ -40,8 +40,11 @@ def model():
 
 def batch(order=None, bump=None):
     """4 prompt groups x 2 samples; `order`: a permutation of the results; `bump`: a uid whose logprobs move."""
-    res = [Result(Request(uid, k, (1, 2)), [uid % 7 + k, 3], [-0.25 * (k + 1), -1.5 - (uid == bump)], "stop")
-           for uid in (11, 42, 7, 30) for k in range(2)]
+    res = [
+        Result(Request(uid, k, (1, 2)), [uid % 7 + k, 3], [-0.25 * (k + 1), -1.5 - (uid == bump)], "stop")
+        for uid in (11, 42, 7, 30)
+        for k in range(2)
+    ]
     return [res[i] for i in order] if order else res
 
 
@@ -49,8 +52,9 @@ def write_run(root, name, overrides, rows, steps):
     d = root / name
     (d / ".hydra").mkdir(parents=True, exist_ok=True)
     (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
-    (d / "config.yaml").write_text(yaml.safe_dump({"steps": steps, "repeat": int(overrides[-1][-1]),
-                                                   "determinism": {"name": "off"}}))
+    (d / "config.yaml").write_text(
+        yaml.safe_dump({"steps": steps, "repeat": int(overrides[-1][-1]), "determinism": {"name": "off"}})
+    )
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "summary.json").write_text("{}")
     return d
@@ -73,7 +77,10 @@ def test_the_analysis_names_order_as_the_first_stage_of_a_pure_reordering(tmp_pa
     def rows(order):
         fps = rollout_fingerprints(batch(order=order))
         # the trainer saw the same samples in another order: its sums, hence its params, differ too
-        return [{"step": 1, **fps, "fp/params": "p" + str(order is None)}, {"step": 2, **fps, "fp/params": "q"}]
+        return [
+            {"step": 1, **fps, "fp/params": "p" + str(order is None)},
+            {"step": 2, **fps, "fp/params": "q"},
+        ]
 
     a, b = rows(None), rows([1, 0, 3, 2, 5, 4, 7, 6])
     assert first_divergence(a, b) == (1, "fp/batch_order")
@@ -107,7 +114,9 @@ def test_the_sketch_distance_is_within_10_percent_of_the_exact_l2_distance(model
         estimate = float(np.linalg.norm(param_sketch(model)[0] - param_sketch(other)[0]))
         assert exact > 0 and abs(estimate / exact - 1) < 0.10, (kind, exact, estimate)
     sketch, norm = param_sketch(model)
-    assert sketch.shape == (256,) and norm == pytest.approx(float(torch.linalg.vector_norm(flat_params(model))))
+    assert sketch.shape == (256,) and norm == pytest.approx(
+        float(torch.linalg.vector_norm(flat_params(model)))
+    )
 
 
 def test_the_logprob_sketch_is_keyed_by_uid_not_by_order():
@@ -147,7 +156,9 @@ def test_runs_that_differ_in_one_late_step_are_exactly_0_apart_before_it_and_not
     lp = pair_distance(sweep, *names, kind="logprob")
     assert [lp[s] for s in range(1, late)] == [0.0] * (late - 1) and all(lp[s] > 0 for s in range(late, 7))
     dist = distances(sweep).set_index(["cell", "step"])
-    assert dist.loc[("determinism=off", 1), "zero_pairs"] == 1 and dist.loc[("determinism=off", 5), "median"] > 0
+    assert (
+        dist.loc[("determinism=off", 1), "zero_pairs"] == 1 and dist.loc[("determinism=off", 5), "median"] > 0
+    )
 
 
 def test_a_resumed_run_keeps_the_last_record_of_a_step(tmp_path, model):
@@ -184,7 +195,12 @@ class FakeRun:
 
     def scan_history(self, keys=None, page_size=1000, min_step=0, max_step=None, use_cache=True):
         for r in (json.loads(x) for x in (self._dir / "metrics.jsonl").read_text().splitlines()):
-            yield {"_step": r["step"], "_runtime": 1.0, "_timestamp": 0.0, **{k: v for k, v in r.items() if k != "step"}}
+            yield {
+                "_step": r["step"],
+                "_runtime": 1.0,
+                "_timestamp": 0.0,
+                **{k: v for k, v in r.items() if k != "step"},
+            }
 
     def file(self, name):
         return FakeFile(self._dir / name)
@@ -194,12 +210,16 @@ class FakeApi:
     def __init__(self, runs):
         self._runs, self.calls = runs, []
 
-    def runs(self, path=None, filters=None, order="+created_at", per_page=50, include_sweeps=False, lazy=True):
+    def runs(
+        self, path=None, filters=None, order="+created_at", per_page=50, include_sweeps=False, lazy=True
+    ):
         self.calls.append((path, filters))
         return [r for r in self._runs if r.group == filters["group"]]
 
 
-def test_wandb_runs_load_like_the_local_files_and_a_dead_wandb_falls_back_to_them(tmp_path, model, monkeypatch):
+def test_wandb_runs_load_like_the_local_files_and_a_dead_wandb_falls_back_to_them(
+    tmp_path, model, monkeypatch
+):
     test_runs_that_differ_in_one_late_step_are_exactly_0_apart_before_it_and_not_after(tmp_path, model)
     local = load_sweep(tmp_path)
     runs = [FakeRun(p, i) for i, p in enumerate(sorted(tmp_path.glob("*repeat=?")))]
@@ -210,7 +230,9 @@ def test_wandb_runs_load_like_the_local_files_and_a_dead_wandb_falls_back_to_the
     lv = verdicts(local)
     lv = lv[lv.cell == "determinism=off"][cols].reset_index(drop=True)
     assert verdicts(remote)[cols].equals(lv)
-    assert distances(remote).equals(distances(local)[distances(local).cell == "determinism=off"].reset_index(drop=True))
+    assert distances(remote).equals(
+        distances(local)[distances(local).cell == "determinism=off"].reset_index(drop=True)
+    )
     # no API key (scrubbed environment): wandb.Api raises, the local files are read instead, with a warning
     for k in ("WANDB_API_KEY", "WANDB_BASE_URL"):
         monkeypatch.delenv(k, raising=False)

@@ -1,7 +1,7 @@
 """The device seam: CPU-testable pieces of the GPU path, and `gpu`-marked tests that need CUDA.
 
-    pytest tests/test_gpu.py                  # CPU parts here; the gpu tests skip without CUDA
-    bash scripts/gpu_run.sh python -m pytest tests/test_gpu.py -m gpu     # on a GPU machine
+pytest tests/test_gpu.py                  # CPU parts here; the gpu tests skip without CUDA
+bash scripts/gpu_run.sh python -m pytest tests/test_gpu.py -m gpu     # on a GPU machine
 """
 
 from __future__ import annotations
@@ -86,10 +86,16 @@ def test_write_slots_scatters_and_restores_the_deterministic_mode():
         torch.use_deterministic_algorithms(True, warn_only=True)
         out = write_slots(dst.clone(), 2, idx, src)
         assert torch.equal(out, dst.clone().scatter_(2, idx, src))
-        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert (
+            torch.are_deterministic_algorithms_enabled()
+            and torch.is_deterministic_algorithms_warn_only_enabled()
+        )
         with pytest.raises(RuntimeError):
             write_slots(dst, 2, idx + 10, src)  # out of range
-        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert (
+            torch.are_deterministic_algorithms_enabled()
+            and torch.is_deterministic_algorithms_warn_only_enabled()
+        )
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -99,11 +105,16 @@ def test_preflight_names_the_varying_gemm_shape():
     from detrl.models import preflight
 
     model = build_model(ModelConfig(init="random"), seed=0)
-    varying = dataclasses.replace(BATCH_INVARIANT_OPS, name="varying",
-                                  linear=lambda x, w: F.linear(x, w) + 1e-3 * (x.numel() // x.shape[-1] > 20))
+    varying = dataclasses.replace(
+        BATCH_INVARIANT_OPS,
+        name="varying",
+        linear=lambda x, w: F.linear(x, w) + 1e-3 * (x.numel() // x.shape[-1] > 20),
+    )
     found = preflight.check_rows(fuse(model), varying)
     c = model.config
-    assert found and found[0].startswith(f"linear q/k/v (K={c.hidden_size}, N={(c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim})")
+    assert found and found[0].startswith(
+        f"linear q/k/v (K={c.hidden_size}, N={(c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim})"
+    )
     assert not preflight.check_rows(fuse(model), BATCH_INVARIANT_OPS)
 
 
@@ -115,9 +126,15 @@ def test_row_invariance_check_is_per_device():
 
 def test_grouped_moe_matches_dispatch():
     g = torch.Generator().manual_seed(0)
-    x, gate_up, down = torch.randn(12, 16, generator=g), torch.randn(4, 24, 16, generator=g), torch.randn(4, 16, 12, generator=g)
+    x, gate_up, down = (
+        torch.randn(12, 16, generator=g),
+        torch.randn(4, 24, 16, generator=g),
+        torch.randn(4, 16, 12, generator=g),
+    )
     top_w, top_i = DEFAULT_OPS.route(torch.randn(12, 4, generator=g), 2, True)
-    ref = ops_mod.moe_dispatch(x, top_w, top_i, gate_up, down, torch.nn.functional.linear, torch.nn.functional.silu)
+    ref = ops_mod.moe_dispatch(
+        x, top_w, top_i, gate_up, down, torch.nn.functional.linear, torch.nn.functional.silu
+    )
     out = grouped_moe(x, top_w, top_i, gate_up, down, None, torch.nn.functional.silu)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -160,8 +177,13 @@ def test_bf16_copies_train_float32_masters():
     w = fuse(model, torch.bfloat16)
     assert w.embed.dtype == torch.bfloat16 and model.model.embed_tokens.weight.dtype == torch.float32
     ids = torch.randint(0, 64, (2, 8))
-    logits = forward(model, ids, dataclasses.replace(DEFAULT_OPS, dtype=torch.bfloat16), 8,
-                     rope_tables(model.config, 8, "cpu", torch.bfloat16))
+    logits = forward(
+        model,
+        ids,
+        dataclasses.replace(DEFAULT_OPS, dtype=torch.bfloat16),
+        8,
+        rope_tables(model.config, 8, "cpu", torch.bfloat16),
+    )
     assert logits.dtype == torch.bfloat16
     logits.float().sum().backward()
     assert model.model.embed_tokens.weight.grad.dtype == torch.float32
@@ -182,8 +204,15 @@ def test_activation_checkpointing_same_gradients():
 
 def _requests(n: int, seeded: bool, prompt_len: int = 4):
     g = torch.Generator().manual_seed(3)
-    return [Request(i // 4, i % 4, tuple(torch.randint(3, 64, (prompt_len + i % 3,), generator=g).tolist()),
-                    seed=1000 + i if seeded else None) for i in range(n)]
+    return [
+        Request(
+            i // 4,
+            i % 4,
+            tuple(torch.randint(3, 64, (prompt_len + i % 3,), generator=g).tolist()),
+            seed=1000 + i if seeded else None,
+        )
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("cfg", [ModelConfig(), MOE], ids=["dense", "moe"])
@@ -198,11 +227,23 @@ def test_cuda_engine_logic_on_cpu_equals_embedded(cfg):
     params = SamplingParams(1.0, 1.0, 6, (2,))
     reqs = _requests(11, seeded=True)
     ref = EmbeddedEngine(model, BATCH_INVARIANT_OPS, 16, params, seed=0).run_batch(reqs)
-    eng = CudaEngine(model, BATCH_INVARIANT_OPS, 16, params, seed=0, max_batch_size=8, device="cpu",
-                     dtype=torch.float32, graphs=False, sync_every=2)
+    eng = CudaEngine(
+        model,
+        BATCH_INVARIANT_OPS,
+        16,
+        params,
+        seed=0,
+        max_batch_size=8,
+        device="cpu",
+        dtype=torch.float32,
+        graphs=False,
+        sync_every=2,
+    )
     out = eng.generate(reqs)
     assert [r.uid for r in out] == [r.uid for r in reqs]
-    assert [(r.tokens, r.logprobs, r.finish_reason) for r in out] == [(r.tokens, r.logprobs, r.finish_reason) for r in ref]
+    assert [(r.tokens, r.logprobs, r.finish_reason) for r in out] == [
+        (r.tokens, r.logprobs, r.finish_reason) for r in ref
+    ]
     # weight sync through the weightless twin, on the device
     with torch.no_grad():
         for p in model.parameters():
@@ -270,7 +311,9 @@ def test_gpu_preflight():
     model = build_model(ModelConfig(init="random", vocab_size=512), seed=0).cuda()
     w, rope = fuse(model, torch.bfloat16), rope_tables(model.config, 32, "cuda", torch.bfloat16)
     preflight.require(w, BATCH_INVARIANT_OPS, 32, rope)
-    assert preflight.negative_control(w, dataclasses.replace(CUDA_DEFAULT_OPS, dtype=torch.bfloat16), 32, rope)
+    assert preflight.negative_control(
+        w, dataclasses.replace(CUDA_DEFAULT_OPS, dtype=torch.bfloat16), 32, rope
+    )
 
 
 @cuda
@@ -289,10 +332,15 @@ def test_gpu_invariant_ops_pass_preflight_and_engine_equals_trainer(cfg):
     preflight.require(fuse(model, torch.bfloat16), ops, 32, rope)
     params = SamplingParams(1.0, 1.0, 12, ())
     reqs = _requests(20, seeded=True)
-    outs = [CudaEngine(model, ops, 32, params, seed=0, max_batch_size=m, graphs=g).generate(reqs)
-            for g, m in ((False, 32), (True, 32), (True, 8))]
-    assert [(r.tokens, r.logprobs) for r in outs[0]] == [(r.tokens, r.logprobs) for r in outs[1]] \
+    outs = [
+        CudaEngine(model, ops, 32, params, seed=0, max_batch_size=m, graphs=g).generate(reqs)
+        for g, m in ((False, 32), (True, 32), (True, 8))
+    ]
+    assert (
+        [(r.tokens, r.logprobs) for r in outs[0]]
+        == [(r.tokens, r.logprobs) for r in outs[1]]
         == [(r.tokens, r.logprobs) for r in outs[2]]
+    )
     ids = torch.zeros(len(reqs), 32, dtype=torch.long)
     mask = torch.zeros(len(reqs), 31)
     for i, (q, r) in enumerate(zip(reqs, outs[1])):
@@ -301,8 +349,10 @@ def test_gpu_invariant_ops_pass_preflight_and_engine_equals_trainer(cfg):
         mask[i, len(q.prompt_ids) - 1 : len(seq) - 1] = 1
     with torch.no_grad():
         tok, _ = sequence_logprobs(model, ids.cuda(), mask.cuda(), ops, 32, rope, 1.0)
-    trainer = [tok[i, len(q.prompt_ids) - 1 : len(q.prompt_ids) - 1 + len(r.tokens)].tolist()
-               for i, (q, r) in enumerate(zip(reqs, outs[1]))]
+    trainer = [
+        tok[i, len(q.prompt_ids) - 1 : len(q.prompt_ids) - 1 + len(r.tokens)].tolist()
+        for i, (q, r) in enumerate(zip(reqs, outs[1]))
+    ]
     assert trainer == [r.logprobs for r in outs[1]]
 
 

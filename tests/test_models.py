@@ -46,7 +46,9 @@ def test_prefill_plus_kv_cache_decode_equals_the_full_pass_bitwise(model):
     cache = KVCache.empty(model.config, 3, L)
     steps = [forward(model, tok[:, :5], ops, L, rope, cache=cache)]
     for t in range(5, L):
-        steps.append(forward(model, tok[:, t : t + 1], ops, L, rope, cache=cache, positions=torch.full((3, 1), t)))
+        steps.append(
+            forward(model, tok[:, t : t + 1], ops, L, rope, cache=cache, positions=torch.full((3, 1), t))
+        )
     assert torch.equal(torch.cat(steps, 1), full)
 
 

@@ -23,9 +23,15 @@ def test_an_on_run_writes_its_numerics_contract(tmp_path):
 def test_a_row_variant_op_set_is_refused_before_step_0(tmp_path, monkeypatch):
     from detrl.trainer import train
 
-    broken = dataclasses.replace(determinism.BATCH_INVARIANT_OPS, name="broken", linear=F.linear,
-                                 attention=determinism.DEFAULT_OPS.attention)
+    broken = dataclasses.replace(
+        determinism.BATCH_INVARIANT_OPS,
+        name="broken",
+        linear=F.linear,
+        attention=determinism.DEFAULT_OPS.attention,
+    )
     monkeypatch.setattr(determinism, "BATCH_INVARIANT_OPS", broken)
-    with pytest.raises(ConfigError, match=r"determinism=on refused: batch invariance not proven on cpu .*broken"):
+    with pytest.raises(
+        ConfigError, match=r"determinism=on refused: batch invariance not proven on cpu .*broken"
+    ):
         train(make_cfg(*TINY, "steps=1"), tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists()  # refused before any step

@@ -20,8 +20,16 @@ STEPS = 6
 def _cmd(run_dir, *extra):
     tiny = [o for o in TINY if not o.startswith(("steps=", "train_batch_size="))]
     # a larger batch than TINY's: steps long enough to be killed in the middle of one
-    return [sys.executable, "train.py", *tiny, f"steps={STEPS}", "train_batch_size=16", "checkpoint.every=2",
-            f"run_dir={run_dir}", *extra]
+    return [
+        sys.executable,
+        "train.py",
+        *tiny,
+        f"steps={STEPS}",
+        "train_batch_size=16",
+        "checkpoint.every=2",
+        f"run_dir={run_dir}",
+        *extra,
+    ]
 
 
 # each run gets its own W&B service, as separate `python train.py` invocations do: an earlier in-process
@@ -31,8 +39,9 @@ ENV = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
 
 def _kill_during_step(run_dir, step, *extra):
     """Start a run and SIGKILL it while step `step` runs (as soon as step - 1 is logged)."""
-    proc = subprocess.Popen(_cmd(run_dir, *extra), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=ENV)
+    proc = subprocess.Popen(
+        _cmd(run_dir, *extra), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV
+    )
     deadline = time.time() + 300
     metrics = run_dir / "metrics.jsonl"
     while time.time() < deadline and proc.poll() is None:
@@ -44,11 +53,23 @@ def _kill_during_step(run_dir, step, *extra):
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
 
 
-@pytest.mark.parametrize("extra", [["logger=wandb"], ["model=qwen3_moe", "algo=dapo", "logger=none",
-                                                      "algo.ppo_mini_batch_size=4", "optim.lr_scheduler_type=cosine",
-                                                      "optim.lr_warmup_steps=2", "optim.min_lr_ratio=0.1"],
-                                   ["rollout.partial.enabled=true", "model=qwen3_moe", "logger=none"]],
-                         ids=["dense-grpo-wandb", "moe-dapo", "moe-partial"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["logger=wandb"],
+        [
+            "model=qwen3_moe",
+            "algo=dapo",
+            "logger=none",
+            "algo.ppo_mini_batch_size=4",
+            "optim.lr_scheduler_type=cosine",
+            "optim.lr_warmup_steps=2",
+            "optim.min_lr_ratio=0.1",
+        ],
+        ["rollout.partial.enabled=true", "model=qwen3_moe", "logger=none"],
+    ],
+    ids=["dense-grpo-wandb", "moe-dapo", "moe-partial"],
+)
 def test_sigkill_mid_step_then_resume_equals_an_uninterrupted_run(tmp_path, extra):
     straight = tmp_path / "straight"
     subprocess.run(_cmd(straight, *extra), cwd=ROOT, check=True, capture_output=True, timeout=300, env=ENV)
@@ -56,8 +77,9 @@ def test_sigkill_mid_step_then_resume_equals_an_uninterrupted_run(tmp_path, extr
     _kill_during_step(killed, 4, *extra)
     assert len(load_metrics(killed)) >= 3 and not (killed / "summary.json").exists()
     assert checkpoint.latest(killed).name in ("step-000002", "step-000004")
-    resumed = subprocess.run(_cmd(killed, "resume=auto", *extra), cwd=ROOT, capture_output=True, text=True,
-                             timeout=300, env=ENV)
+    resumed = subprocess.run(
+        _cmd(killed, "resume=auto", *extra), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = load_metrics(straight), load_metrics(killed)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))  # no step logged twice
@@ -91,7 +113,9 @@ def test_resume_with_a_changed_config_is_refused_and_loses_nothing(tmp_path):
         train(make_cfg(*TINY, "seed=1", "resume=auto", "steps=4"), tmp_path)
     assert (tmp_path / "metrics.jsonl").read_text() == before
     assert checkpoint.latest(tmp_path).name == "step-000003"
-    train(make_cfg(*TINY, "seed=1", "resume=auto", "steps=4", "checkpoint.allow_config_change=true"), tmp_path)
+    train(
+        make_cfg(*TINY, "seed=1", "resume=auto", "steps=4", "checkpoint.allow_config_change=true"), tmp_path
+    )
     assert [r["step"] for r in load_metrics(tmp_path)] == [1, 2, 3, 4]
 
 
@@ -123,6 +147,8 @@ def test_a_fresh_run_in_a_used_run_dir_is_refused_and_loses_nothing(tmp_path):
 
 def test_resume_auto_without_a_checkpoint_starts_clean(tmp_path):
     # a run killed before its first checkpoint left rows behind: resume=auto starts over, without them
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "fp/params": "stale"}\n{"step": 2, "fp/params": "stale"}\n')
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "fp/params": "stale"}\n{"step": 2, "fp/params": "stale"}\n'
+    )
     rows = run_tiny(tmp_path, "resume=auto")
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["fp/params"] != "stale" for r in rows)

@@ -15,7 +15,9 @@ CTX = 16
 
 
 def _engine(ops=BATCH_INVARIANT_OPS, name="qwen3", **kw):
-    params = SamplingParams(**{"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "stop_token_ids": (EOS,), **kw})
+    params = SamplingParams(
+        **{"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "stop_token_ids": (EOS,), **kw}
+    )
     return EmbeddedEngine(build_model(ModelConfig(name=name), seed=0), ops, CTX, params, seed=0)
 
 
@@ -76,7 +78,10 @@ def test_hashed_uniform_is_in_the_open_unit_interval_and_position_dependent():
     u = hashed_uniform(torch.tensor([1, 1, 2**62]), torch.tensor([5, 6, 5]), 64)
     assert bool(((u > 0) & (u < 1)).all())
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
-    assert abs(hashed_uniform(torch.arange(200), torch.zeros(200, dtype=torch.long), 64).mean().item() - 0.5) < 0.01
+    assert (
+        abs(hashed_uniform(torch.arange(200), torch.zeros(200, dtype=torch.long), 64).mean().item() - 0.5)
+        < 0.01
+    )
 
 
 def test_top_p_keeps_the_nucleus():
@@ -90,9 +95,11 @@ def test_worker_routing_and_batch_size_do_not_change_seeded_samples(name):
     model = build_model(ModelConfig(name=name), seed=0)
     params = SamplingParams(1.0, 1.0, 8, (EOS,))
     reqs = _requests(24)
-    layouts = [dict(num_workers=1, max_batch_size=64, fixed_routing=True),
-               dict(num_workers=3, max_batch_size=5, fixed_routing=True),
-               dict(num_workers=2, max_batch_size=3, fixed_routing=False)]  # dynamic batches, same ops + seeds
+    layouts = [
+        dict(num_workers=1, max_batch_size=64, fixed_routing=True),
+        dict(num_workers=3, max_batch_size=5, fixed_routing=True),
+        dict(num_workers=2, max_batch_size=3, fixed_routing=False),
+    ]  # dynamic batches, same ops + seeds
     outs = []
     for kw in layouts:
         eng = EmbeddedEngine(model, BATCH_INVARIANT_OPS, CTX, params, seed=0, **kw)
@@ -103,8 +110,15 @@ def test_worker_routing_and_batch_size_do_not_change_seeded_samples(name):
 
 def test_fixed_routing_returns_request_order_and_batches_deterministically():
     eng = EmbeddedEngine(
-        build_model(ModelConfig(), seed=0), BATCH_INVARIANT_OPS, CTX, SamplingParams(max_new_tokens=3), seed=0,
-        num_workers=3, max_batch_size=4, fixed_routing=True)
+        build_model(ModelConfig(), seed=0),
+        BATCH_INVARIANT_OPS,
+        CTX,
+        SamplingParams(max_new_tokens=3),
+        seed=0,
+        num_workers=3,
+        max_batch_size=4,
+        fixed_routing=True,
+    )
     reqs = _requests(20)
     res = eng.generate(reqs)
     assert [r.uid for r in res] == [r.uid for r in reqs]
@@ -114,8 +128,16 @@ def test_fixed_routing_returns_request_order_and_batches_deterministically():
 
 
 def test_dynamic_engine_serves_every_request_once():
-    eng = EmbeddedEngine(build_model(ModelConfig(), seed=0), DEFAULT_OPS, CTX, SamplingParams(max_new_tokens=3),
-                         seed=0, num_workers=2, max_batch_size=5, fixed_routing=False)
+    eng = EmbeddedEngine(
+        build_model(ModelConfig(), seed=0),
+        DEFAULT_OPS,
+        CTX,
+        SamplingParams(max_new_tokens=3),
+        seed=0,
+        num_workers=2,
+        max_batch_size=5,
+        fixed_routing=False,
+    )
     reqs = _requests(30, seeded=False)
     res = eng.generate(reqs)
     assert sorted(r.uid for r in res) == sorted(r.uid for r in reqs)
@@ -139,8 +161,12 @@ def test_a_cut_and_continued_sample_equals_an_uncut_one(name):
     pieces = {r.uid: ([], [], "abort") for r in reqs}
     pending = list(reqs)
     while pending:
-        results = eng.generate([Request(r.prompt_uid, r.sample_index, r.prompt_ids, r.seed,
-                                        tuple(pieces[r.uid][0]), 1) for r in pending])
+        results = eng.generate(
+            [
+                Request(r.prompt_uid, r.sample_index, r.prompt_ids, r.seed, tuple(pieces[r.uid][0]), 1)
+                for r in pending
+            ]
+        )
         for res in results:
             toks, lps, _ = pieces[res.uid]
             pieces[res.uid] = (toks + res.tokens, lps + res.logprobs, res.finish_reason)
@@ -149,8 +175,16 @@ def test_a_cut_and_continued_sample_equals_an_uncut_one(name):
 
 
 def test_dynamic_engine_cut_returns_partial_and_unstarted_requests_as_abort():
-    eng = EmbeddedEngine(build_model(ModelConfig(), seed=0), DEFAULT_OPS, CTX, SamplingParams(max_new_tokens=8),
-                         seed=0, num_workers=1, max_batch_size=2, fixed_routing=False)
+    eng = EmbeddedEngine(
+        build_model(ModelConfig(), seed=0),
+        DEFAULT_OPS,
+        CTX,
+        SamplingParams(max_new_tokens=8),
+        seed=0,
+        num_workers=1,
+        max_batch_size=2,
+        fixed_routing=False,
+    )
     res = eng.generate(_requests(10, seeded=False), stop_when=lambda done: len(done) >= 2)
     assert len(res) == 10
     assert sum(r.finish_reason != "abort" for r in res) >= 2
@@ -164,7 +198,9 @@ def test_the_fixed_rule_cuts_near_equal_batches_that_keep_every_worker_busy(n, w
     sizes = [len(b) for b in batches]
     assert [x for b in batches for x in b] == list(range(n))  # submission order, every item once
     assert max(sizes) <= cap and max(sizes) - min(sizes) <= 1
-    assert len(batches) % workers == 0 or len(batches) == n  # whole rounds over the workers (or one item each)
+    assert (
+        len(batches) % workers == 0 or len(batches) == n
+    )  # whole rounds over the workers (or one item each)
     assert len(batches) < -(-n // cap) + workers  # no more rounds than the cap needs
 
 

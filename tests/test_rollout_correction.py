@@ -74,8 +74,9 @@ def test_exact_no_op_when_trainer_and_rollout_agree_bitwise(mode, level, mis_wei
     logp = -torch.rand(5, 7, generator=g) * 3
     mask = (torch.rand(5, 7, generator=g) > 0.3).float()
     pg = torch.randn(5, 7, generator=g)
-    w, out_mask, m = rollout_correction(logp, logp.clone(), mask, mode, level=level, cap=1.0, lower=1.0, upper=1.0,
-                                        mis_weight=mis_weight)
+    w, out_mask, m = rollout_correction(
+        logp, logp.clone(), mask, mode, level=level, cap=1.0, lower=1.0, upper=1.0, mis_weight=mis_weight
+    )
     assert torch.equal(w, torch.ones_like(w))
     assert torch.equal(out_mask, mask)
     assert torch.equal(pg * w, pg)  # the policy loss is unchanged bit for bit
@@ -99,14 +100,20 @@ def test_merge_metrics_weights_by_tokens_and_takes_extremes():
         assert merged[k] == pytest.approx(float(v), rel=1e-6), k
 
 
-@pytest.mark.parametrize(("kw", "msg"), [
-    ({"mode": "icepop"}, r"rollout_correction.mode='icepop' is not valid; choose one of \['none', 'tis', 'mis'\]"),
-    ({"level": "seq"}, "rollout_correction.level='seq'"),
-    ({"cap": 0.5}, "cap must be >= 1"),
-    ({"lower": 0.0}, r"lower bound must be in \(0, 1\]"),
-    ({"upper": 0.9}, "upper bound must be >= 1"),
-    ({"mis_weight": "k"}, "mis_weight='k'"),
-])
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [
+        (
+            {"mode": "icepop"},
+            r"rollout_correction.mode='icepop' is not valid; choose one of \['none', 'tis', 'mis'\]",
+        ),
+        ({"level": "seq"}, "rollout_correction.level='seq'"),
+        ({"cap": 0.5}, "cap must be >= 1"),
+        ({"lower": 0.0}, r"lower bound must be in \(0, 1\]"),
+        ({"upper": 0.9}, "upper bound must be >= 1"),
+        ({"mis_weight": "k"}, "mis_weight='k'"),
+    ],
+)
 def test_validation_names_the_setting(kw, msg):
     with pytest.raises(ValueError, match=msg):
         validate(**kw)

@@ -27,6 +27,7 @@ MOE = ModelConfig(name="qwen3_moe")  # 2 layers, 4 experts, top 2
 
 def _spy(ops, calls):
     """ops whose MoE dispatch records the expert ids it is given (one call per layer per forward)."""
+
     def moe(x, top_w, top_i, *rest):
         calls.append(top_i.clone())
         return moe_dispatch(x, top_w, top_i, *rest)
@@ -37,8 +38,12 @@ def _spy(ops, calls):
 def test_replay_weights_by_hand():
     logits = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))  # softmax: [0.1, 0.2, 0.3, 0.4]
     ids = torch.tensor([[3, 0]])  # replayed experts, not the router's top 2 (3, 2)
-    torch.testing.assert_close(routing_weights(logits, ids, False), torch.tensor([[0.4, 0.1]]), rtol=0, atol=1e-7)
-    torch.testing.assert_close(routing_weights(logits, ids, True), torch.tensor([[0.8, 0.2]]), rtol=0, atol=1e-7)
+    torch.testing.assert_close(
+        routing_weights(logits, ids, False), torch.tensor([[0.4, 0.1]]), rtol=0, atol=1e-7
+    )
+    torch.testing.assert_close(
+        routing_weights(logits, ids, True), torch.tensor([[0.8, 0.2]]), rtol=0, atol=1e-7
+    )
     w, i = route(logits, 2, True)
     assert i.tolist() == [[3, 2]]
     torch.testing.assert_close(w, torch.tensor([[4 / 7, 3 / 7]]), rtol=0, atol=1e-7)
@@ -75,13 +80,23 @@ def test_forward_uses_the_forced_ids_where_given_and_its_own_elsewhere():
     for layer, used in enumerate(calls):
         used = used.view(3, CTX, 2)
         assert torch.equal(used[:, 5:], forced[:, 5:, layer])
-        assert torch.equal(used[:, :5], own[:, :5, layer])  # causal: positions before 5 route as without replay
+        assert torch.equal(
+            used[:, :5], own[:, :5, layer]
+        )  # causal: positions before 5 route as without replay
     assert torch.equal(replayed[:, :5], logits[:, :5]) and not torch.equal(replayed[:, 5:], logits[:, 5:])
 
 
 def _moe_engine(**kw):
-    return EmbeddedEngine(build_model(MOE, seed=0), BATCH_INVARIANT_OPS, CTX, SamplingParams(1.0, 1.0, 6, (EOS,)),
-                          seed=0, num_workers=2, max_batch_size=4, **kw)
+    return EmbeddedEngine(
+        build_model(MOE, seed=0),
+        BATCH_INVARIANT_OPS,
+        CTX,
+        SamplingParams(1.0, 1.0, 6, (EOS,)),
+        seed=0,
+        num_workers=2,
+        max_batch_size=4,
+        **kw,
+    )
 
 
 def test_engine_records_the_routing_the_trainer_reproduces_under_on():
@@ -94,16 +109,32 @@ def test_engine_records_the_routing_the_trainer_reproduces_under_on():
     assert bool((batch.routed_experts[~m] == -1).all())
     rope = rope_tables(eng.model.config, CTX)
     with torch.no_grad():
-        logp, _, own = sequence_logprobs(eng.model, batch.input_ids, batch.mask, BATCH_INVARIANT_OPS, CTX, rope, 1.0,
-                                         routes=True)
-        replayed, _ = sequence_logprobs(eng.model, batch.input_ids, batch.mask, BATCH_INVARIANT_OPS, CTX, rope, 1.0,
-                                        experts=batch.routed_experts.long())
+        logp, _, own = sequence_logprobs(
+            eng.model, batch.input_ids, batch.mask, BATCH_INVARIANT_OPS, CTX, rope, 1.0, routes=True
+        )
+        replayed, _ = sequence_logprobs(
+            eng.model,
+            batch.input_ids,
+            batch.mask,
+            BATCH_INVARIANT_OPS,
+            CTX,
+            rope,
+            1.0,
+            experts=batch.routed_experts.long(),
+        )
     assert torch.equal(own[m], batch.routed_experts[m].long())  # the same ids, in the same slot order
     assert float(layer_agreement(own, batch.routed_experts)[m].mean()) == 1.0
     assert torch.equal(logp, batch.rollout_logp) and torch.equal(replayed, logp)
-    dense = EmbeddedEngine(build_model(ModelConfig(), seed=0), BATCH_INVARIANT_OPS, CTX, SamplingParams(), seed=0)
+    dense = EmbeddedEngine(
+        build_model(ModelConfig(), seed=0), BATCH_INVARIANT_OPS, CTX, SamplingParams(), seed=0
+    )
     assert all(r.routed_experts is None for r in dense.generate(_requests(2)))
-    assert to_tensors([Scored(dense.generate(_requests(2)), torch.zeros(2), torch.zeros(2))], CTX, 0).routed_experts is None
+    assert (
+        to_tensors(
+            [Scored(dense.generate(_requests(2)), torch.zeros(2), torch.zeros(2))], CTX, 0
+        ).routed_experts
+        is None
+    )
 
 
 def test_partial_continuations_keep_the_ids_aligned_with_the_tokens():
@@ -128,17 +159,35 @@ def test_partial_continuations_keep_the_ids_aligned_with_the_tokens():
 def _replay_update(replay: bool):
     from detrl.trainer import update
 
-    cfg = make_cfg("model=qwen3_moe", "train_batch_size=2", "rollout.n=4", "algo.ppo_mini_batch_size=0",
-                   "algo.use_kl_loss=false", f"algo.routing_replay={str(replay).lower()}")
+    cfg = make_cfg(
+        "model=qwen3_moe",
+        "train_batch_size=2",
+        "rollout.n=4",
+        "algo.ppo_mini_batch_size=0",
+        "algo.use_kl_loss=false",
+        f"algo.routing_replay={str(replay).lower()}",
+    )
     model = build_model(MOE, seed=0)
     batch, adv = _batch()
     g = torch.Generator().manual_seed(3)
     n, length = batch.mask.shape
-    recorded = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(n * length * 2)]).view(n, length, 2, 2)
+    recorded = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(n * length * 2)]).view(
+        n, length, 2, 2
+    )
     batch.routed_experts = torch.where(batch.mask[..., None, None] > 0, recorded, -1).to(torch.int16)
     calls = []
-    m = update(model, None, _Recorder(model.parameters()), batch, adv, cfg, _spy(BATCH_INVARIANT_OPS, calls), CTX,
-               rope_tables(model.config, CTX), version=0)
+    m = update(
+        model,
+        None,
+        _Recorder(model.parameters()),
+        batch,
+        adv,
+        cfg,
+        _spy(BATCH_INVARIANT_OPS, calls),
+        CTX,
+        rope_tables(model.config, CTX),
+        version=0,
+    )
     assert len(calls) == 2 * 2  # the old pass and one gradient pass, 2 layers each
     mask = batch.mask > 0
     used = [c.view(n, CTX, 2)[:, :-1][mask] for c in calls]
@@ -165,11 +214,18 @@ def test_train_on_agreement_is_exactly_one_and_replay_changes_no_bit(tmp_path):
 
 
 def test_train_partial_rollout_with_replay_on(tmp_path):
-    rows = run_tiny(tmp_path, "model=qwen3_moe", "algo.routing_replay=true", "rollout.partial.enabled=true",
-                    "rollout.max_new_tokens=6")
+    rows = run_tiny(
+        tmp_path,
+        "model=qwen3_moe",
+        "algo.routing_replay=true",
+        "rollout.partial.enabled=true",
+        "rollout.max_new_tokens=6",
+    )
     assert any(r["partial/carried"] > 0 for r in rows)  # continuations reached the trainer
-    assert all(r["mismatch/router_agreement"] == 1.0 and r["mismatch/train_rollout_logprob_abs_diff"] == 0.0
-               for r in rows)
+    assert all(
+        r["mismatch/router_agreement"] == 1.0 and r["mismatch/train_rollout_logprob_abs_diff"] == 0.0
+        for r in rows
+    )
 
 
 def test_train_off_logs_the_agreement_of_the_routers_own_choice(tmp_path):
@@ -183,10 +239,16 @@ def test_train_off_logs_the_agreement_of_the_routers_own_choice(tmp_path):
     assert "mismatch/router_agreement" not in dense[0]  # dense: no routing to compare
 
 
-@pytest.mark.parametrize(("overrides", "msg"), [
-    ((), r"algo.routing_replay=True is not valid: model=qwen3 is dense"),
-    (("model=qwen3_moe", "rollout=sglang"), r"algo.routing_replay=True is not valid: rollout=sglang does not record"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "msg"),
+    [
+        ((), r"algo.routing_replay=True is not valid: model=qwen3 is dense"),
+        (
+            ("model=qwen3_moe", "rollout=sglang"),
+            r"algo.routing_replay=True is not valid: rollout=sglang does not record",
+        ),
+    ],
+)
 def test_replay_without_recorded_routing_is_refused_in_one_line(overrides, msg):
     with pytest.raises(ConfigError, match=msg) as e:
         make_cfg("algo.routing_replay=true", *overrides)

@@ -28,9 +28,14 @@ def _start_servers(n: int, deterministic: bool = True):
     for _ in range(n):
         port = _free_port()
         flag = ["--deterministic"] if deterministic else []
-        procs.append(subprocess.Popen([sys.executable, "-m", "detrl.serve", *flag, "--ctx-len", "16",
-                                       "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "detrl.serve", *flag, "--ctx-len", "16", "--port", str(port)],
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         urls.append(f"http://127.0.0.1:{port}")
     deadline = time.time() + 120
     for url in urls:
@@ -61,9 +66,23 @@ def test_killing_a_server_mid_run_names_it_and_keeps_logs_and_checkpoints(tmp_pa
     run_dir = tmp_path / "run"
     tiny = [o for o in TINY if not o.startswith("steps=")]
     train = subprocess.Popen(
-        [sys.executable, "train.py", *tiny, "steps=200", "checkpoint.every=1", "rollout=sglang",
-         "rollout.sglang.urls=[" + ",".join(urls) + "]", "rollout.sglang.retries=1", "rollout.max_batch_size=8",
-         f"run_dir={run_dir}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "train.py",
+            *tiny,
+            "steps=200",
+            "checkpoint.every=1",
+            "rollout=sglang",
+            "rollout.sglang.urls=[" + ",".join(urls) + "]",
+            "rollout.sglang.retries=1",
+            "rollout.max_batch_size=8",
+            f"run_dir={run_dir}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline, metrics = time.time() + 120, run_dir / "metrics.jsonl"
         while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 2):
@@ -84,9 +103,15 @@ def test_killing_a_server_mid_run_names_it_and_keeps_logs_and_checkpoints(tmp_pa
 
 
 def test_protocol_shapes(servers):
-    body = {"input_ids": [[1, 5, 11], [1, 6]], "return_logprob": True, "rid": ["a", "b"],
-            "sampling_params": [{"max_new_tokens": 3, "sampling_seed": 7, "stop_token_ids": [2]},
-                                {"max_new_tokens": 2, "sampling_seed": 8, "stop_token_ids": [2]}]}
+    body = {
+        "input_ids": [[1, 5, 11], [1, 6]],
+        "return_logprob": True,
+        "rid": ["a", "b"],
+        "sampling_params": [
+            {"max_new_tokens": 3, "sampling_seed": 7, "stop_token_ids": [2]},
+            {"max_new_tokens": 2, "sampling_seed": 8, "stop_token_ids": [2]},
+        ],
+    }
     out = httpx.post(f"{servers[0]}/generate", json=body, timeout=30).json()
     assert [o["meta_info"]["id"] for o in out] == ["a", "b"]
     for o, cap in zip(out, (3, 2)):
@@ -104,7 +129,9 @@ def test_training_against_servers_syncs_the_policy_exactly(tmp_path, servers):
     """The servers' rollout logprobs equal the trainer's recomputation at every step: each weight sync (tied
     names, dtype, no separate /flush_cache) reached them bit for bit."""
     urls = "[" + ",".join(servers) + "]"
-    remote = run_tiny(tmp_path / "remote", "rollout=sglang", f"rollout.sglang.urls={urls}", "rollout.max_batch_size=8")
+    remote = run_tiny(
+        tmp_path / "remote", "rollout=sglang", f"rollout.sglang.urls={urls}", "rollout.max_batch_size=8"
+    )
     assert len(remote) == 3 and all(r["mismatch/train_rollout_logprob_abs_diff_max"] == 0.0 for r in remote)
     assert int(httpx.get(f"{servers[0]}/model_info").json()["weight_version"]) >= 2  # initial sync + updates
     _restore_fresh_weights(servers)
@@ -162,13 +189,22 @@ def test_http_equals_a_direct_engine_call_bitwise_with_each_items_own_max_new_to
 
     prompts = [(1, 5, 11), (1, 6), (1, 7, 8, 9), (1, 5, 11)]
     caps, seeds = [1, 6, 3, 6], [7, 8, 9, 10]
-    body = {"input_ids": [list(p) for p in prompts], "return_logprob": True, "rid": [f"eq{i}" for i in range(4)],
-            "sampling_params": [{"max_new_tokens": c, "sampling_seed": s, "stop_token_ids": [2]}
-                                for c, s in zip(caps, seeds)]}
+    body = {
+        "input_ids": [list(p) for p in prompts],
+        "return_logprob": True,
+        "rid": [f"eq{i}" for i in range(4)],
+        "sampling_params": [
+            {"max_new_tokens": c, "sampling_seed": s, "stop_token_ids": [2]} for c, s in zip(caps, seeds)
+        ],
+    }
     out = _post(servers[0], "/generate", body).json()
-    direct = EmbeddedEngine(_fresh_model(), BATCH_INVARIANT_OPS, 16, SamplingParams(1.0, 1.0, max(caps), (2,)), seed=0)
+    direct = EmbeddedEngine(
+        _fresh_model(), BATCH_INVARIANT_OPS, 16, SamplingParams(1.0, 1.0, max(caps), (2,)), seed=0
+    )
     try:
-        ref = direct.generate([Request(i, 0, p, s, (), c) for i, (p, s, c) in enumerate(zip(prompts, seeds, caps))])
+        ref = direct.generate(
+            [Request(i, 0, p, s, (), c) for i, (p, s, c) in enumerate(zip(prompts, seeds, caps))]
+        )
     finally:
         direct.close()
     for o, r, cap in zip(out, ref, caps):
@@ -178,12 +214,15 @@ def test_http_equals_a_direct_engine_call_bitwise_with_each_items_own_max_new_to
             assert m["finish_reason"] == {"type": "stop", "matched": r.tokens[-1]}
         else:
             assert len(r.tokens) == cap and m["finish_reason"] == {"type": "length", "length": cap}
-    assert len(out[0]["output_ids"]) == 1 and max(len(o["output_ids"]) for o in out) > 1  # not the first's cap
+    assert (
+        len(out[0]["output_ids"]) == 1 and max(len(o["output_ids"]) for o in out) > 1
+    )  # not the first's cap
 
 
 def test_a_deterministic_server_gives_unseeded_requests_seed_42(servers):
     """sampling_batch_info.py from_schedule_batch: every unseeded request of a deterministic server samples
     with seed 42, so n unseeded samples of one prompt are identical."""
+
     def gen(sps):
         body = {"input_ids": [[1, 5, 11]] * len(sps), "return_logprob": True, "sampling_params": sps}
         return [o["output_ids"] for o in _post(servers[0], "/generate", body).json()]
@@ -204,8 +243,11 @@ def nondet_server():
 
 
 def test_a_nondeterministic_server_ignores_sampling_seed_and_says_so(nondet_server):
-    body = {"input_ids": [[1, 5, 11]] * 8, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 3}}
+    body = {
+        "input_ids": [[1, 5, 11]] * 8,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 3},
+    }
     out = _post(nondet_server, "/generate", body).json()
     assert len({tuple(o["output_ids"]) for o in out}) > 1  # one seed, yet different samples: it is ignored
     for path in ("/server_info", "/get_server_info"):
@@ -239,10 +281,16 @@ def test_weight_sync_needs_no_flush_reports_failures_in_one_line_and_cleans_up(s
         with pytest.raises(ServerError) as e:
             eng.update_weights(bad)
         assert time.time() - t0 < 5 and "\n" not in str(e.value)  # not retried with backoff
-        assert "Failed to update weights" in str(e.value) and "HTTP 400" in str(e.value) and '"success"' not in str(e.value)
+        assert (
+            "Failed to update weights" in str(e.value)
+            and "HTTP 400" in str(e.value)
+            and '"success"' not in str(e.value)
+        )
         raw = _post(servers[0], "/update_weights_from_disk", {"model_path": str(weights)})
         assert raw.status_code == 400 and raw.json()["success"] is False
-        assert _post(servers[0], "/update_weights_from_disk", {"model_path": "/nonexistent"}).status_code == 400
+        assert (
+            _post(servers[0], "/update_weights_from_disk", {"model_path": "/nonexistent"}).status_code == 400
+        )
     finally:
         eng.close()
         _restore_fresh_weights(servers[:1])
@@ -279,7 +327,11 @@ def test_a_retry_after_a_timeout_uses_fresh_rids(servers):
     """SGLang holds a timed-out request's rid (a retry with it gets 'Duplicate request ID detected'); a paused
     server (default mode "abort") queues /generate until /continue_generation."""
     url = servers[0]
-    body = {"input_ids": [[1, 5]], "rid": ["dup"], "sampling_params": [{"max_new_tokens": 2, "sampling_seed": 1}]}
+    body = {
+        "input_ids": [[1, 5]],
+        "rid": ["dup"],
+        "sampling_params": [{"max_new_tokens": 2, "sampling_seed": 1}],
+    }
     paused = _post(url, "/pause_generation", {})
     assert paused.json() == {"message": "Generation paused successfully.", "status": "ok"}
     try:
@@ -291,9 +343,18 @@ def test_a_retry_after_a_timeout_uses_fresh_rids(servers):
         time.sleep(1.0)
         assert waiter.is_alive()  # queued, not refused
         dup = _post(url, "/generate", body)
-        assert dup.status_code == 400 and dup.json() == {"error": {"message": "Duplicate request ID detected: dup"}}
-        eng = SGLangEngine([url], SamplingParams(max_new_tokens=2, stop_token_ids=(2,)), True, timeout_s=1.5,
-                           retries=2, backoff_s=0.01, health_timeout_s=5)
+        assert dup.status_code == 400 and dup.json() == {
+            "error": {"message": "Duplicate request ID detected: dup"}
+        }
+        eng = SGLangEngine(
+            [url],
+            SamplingParams(max_new_tokens=2, stop_token_ids=(2,)),
+            True,
+            timeout_s=1.5,
+            retries=2,
+            backoff_s=0.01,
+            health_timeout_s=5,
+        )
         timer = threading.Timer(2.0, lambda: _post(url, "/continue_generation", {}))
         timer.start()
         got = eng.generate([Request(3, 0, (1, 5), 11), Request(3, 1, (1, 6), 12)])  # 1st attempt times out
@@ -331,8 +392,10 @@ class _SlowEngine:
             for r, t in zip(reqs, toks):
                 if len(t) < r.max_new_tokens:
                     t.append(5 + len(r.prompt_ids) + len(r.prefix) + len(t))
-        return [Result(r, t, [-1.0] * len(t), "length" if len(t) == r.max_new_tokens else "abort")
-                for r, t in zip(reqs, toks)]
+        return [
+            Result(r, t, [-1.0] * len(t), "length" if len(t) == r.max_new_tokens else "abort")
+            for r, t in zip(reqs, toks)
+        ]
 
 
 def _server_thread(server, body):
@@ -364,25 +427,35 @@ def test_abort_request_aborts_its_rid_only_and_pause_modes_behave_as_sglangs():
     server.abort("a1", False)
     th.join(timeout=10)
     a, b = out["r"]
-    assert a["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
-                                                "err_type": None}
+    assert a["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": "Aborted",
+        "status_code": None,
+        "err_type": None,
+    }
     assert 0 < len(a["output_ids"]) < 20
     assert b["meta_info"]["finish_reason"] == {"type": "length", "length": 20} and len(b["output_ids"]) == 20
-    assert b["output_ids"] == [6 + i for i in range(20)]  # continued from its prefix, nothing lost or repeated
+    assert b["output_ids"] == [
+        6 + i for i in range(20)
+    ]  # continued from its prefix, nothing lost or repeated
     assert len(eng.calls) == 2 and eng.calls[1][0].prefix  # the 2nd call continues b1 alone
 
     # retract: running requests come back to the queue and resume at continue; new ones wait
     th, out = _server_thread(server, {**body, "rid": ["a2", "b2"]})
     _wait(lambda: server.running_call)
     server.pause("retract")
-    th2, out2 = _server_thread(server, {"input_ids": [1, 2], "rid": "c2", "sampling_params": {"max_new_tokens": 3}})
+    th2, out2 = _server_thread(
+        server, {"input_ids": [1, 2], "rid": "c2", "sampling_params": {"max_new_tokens": 3}}
+    )
     time.sleep(0.2)
     assert th.is_alive() and th2.is_alive()
     assert server.flush_cache()  # retracted requests do not block a flush while paused
     server.resume()
     th.join(timeout=10)
     th2.join(timeout=10)
-    assert [len(o["output_ids"]) for o in out["r"]] == [20, 20] and out["r"][0]["meta_info"]["num_retractions"] == 1
+    assert [len(o["output_ids"]) for o in out["r"]] == [20, 20] and out["r"][0]["meta_info"][
+        "num_retractions"
+    ] == 1
     assert out2["r"]["output_ids"] == [7, 8, 9] and out2["r"]["meta_info"]["id"] == "c2"
 
     # in_place: a weight update's flush fails while requests are held in the running batch
@@ -408,12 +481,23 @@ def test_the_client_reads_sglangs_finish_reasons_and_retries_a_server_abort():
     batch = [Request(1, 0, (1,), 5), Request(1, 1, (1,), 6), Request(1, 2, (1,), 7, (9,), 2)]
 
     def item(toks, fr):
-        return {"output_ids": toks, "meta_info": {"id": "x", "finish_reason": fr,
-                                                  "output_token_logprobs": [[-0.5, t, None] for t in toks]}}
+        return {
+            "output_ids": toks,
+            "meta_info": {
+                "id": "x",
+                "finish_reason": fr,
+                "output_token_logprobs": [[-0.5, t, None] for t in toks],
+            },
+        }
 
-    res, aborted = eng._parse(batch, [item([3, 2], {"type": "stop", "matched": 2}),
-                                      item([3, 3, 3, 3], {"type": "length", "length": 4}),
-                                      item([3, 3], {"type": "length", "length": 2})])
+    res, aborted = eng._parse(
+        batch,
+        [
+            item([3, 2], {"type": "stop", "matched": 2}),
+            item([3, 3, 3, 3], {"type": "length", "length": 4}),
+            item([3, 3], {"type": "length", "length": 2}),
+        ],
+    )
     assert aborted is None and [r.finish_reason for r in res] == ["stop", "length", "abort"]
     _, aborted = eng._parse(batch[:1], [item([3], {"type": "abort", "message": "Abort in waiting queue"})])
     assert aborted == "Abort in waiting queue"

@@ -18,8 +18,14 @@ else:
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["on", "off"])
 def test_our_launch_arguments_parse_and_resolve_with_sglang(deterministic):
-    argv = server_argv("/models/tiny", 30010, seed=7, deterministic=deterministic, attention_backend="triton",
-                       rl_on_policy_target=deterministic)
+    argv = server_argv(
+        "/models/tiny",
+        30010,
+        seed=7,
+        deterministic=deterministic,
+        attention_backend="triton",
+        rl_on_policy_target=deterministic,
+    )
     sa = check_server_args(argv)
     assert sa.model_path == "/models/tiny" and sa.port == 30010 and sa.random_seed == 7
     assert bool(sa.enable_deterministic_inference) == deterministic
@@ -49,13 +55,21 @@ def test_detrl_serve_reports_only_server_args_fields_and_sglangs_routes():
     from detrl.serve import Server, make_app
 
     sa = check_server_args(server_argv("/m", 30014, 0, True, "triton"))
-    known = set(sa.resolved_dict()) | {"launch_command", "startup_time", "internal_states", "version", "frontend"}
+    known = set(sa.resolved_dict()) | {
+        "launch_command",
+        "startup_time",
+        "internal_states",
+        "version",
+        "frontend",
+    }
     server = Server(SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace())), "/m", True, 0, 16)
     assert set(server.server_info()) <= known
 
     src = (Path(sglang.__file__).parent / "srt/entrypoints/http_server.py").read_text()
     theirs: dict[str, set[str]] = {}
-    for kind, path, methods in re.findall(r'@app\.(get|post|api_route)\(\s*"([^"]+)"(?:,\s*methods=\[([^\]]*)\])?', src):
+    for kind, path, methods in re.findall(
+        r'@app\.(get|post|api_route)\(\s*"([^"]+)"(?:,\s*methods=\[([^\]]*)\])?', src
+    ):
         ms = {kind.upper()} if kind != "api_route" else set(re.findall(r'"(\w+)"', methods))
         theirs.setdefault(path, set()).update(ms)
     for route in make_app(server).routes:
@@ -112,5 +126,9 @@ def test_the_makefile_installs_every_module_sglang_imports():
     from tests.sglang_imports import distributions
 
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
-    named = set(re.search(r"SGLANG_IMPORTS := ((?:.*\\\n)*.*)", makefile).group(1).replace("\\\n", " ").split())
-    assert distributions() <= named, f"add to SGLANG_IMPORTS in the Makefile: {sorted(distributions() - named)}"
+    named = set(
+        re.search(r"SGLANG_IMPORTS := ((?:.*\\\n)*.*)", makefile).group(1).replace("\\\n", " ").split()
+    )
+    assert distributions() <= named, (
+        f"add to SGLANG_IMPORTS in the Makefile: {sorted(distributions() - named)}"
+    )

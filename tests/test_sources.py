@@ -28,24 +28,39 @@ def _first(a, b):
 
 def test_presets_set_every_source_and_one_override_flips_one():
     on, off = make_cfg("determinism=on").determinism, make_cfg("determinism=off").determinism
-    assert {s: getattr(on, s) for s in SOURCES} == preset("on") and {s: getattr(off, s) for s in SOURCES} == preset("off")
+    assert {s: getattr(on, s) for s in SOURCES} == preset("on") and {
+        s: getattr(off, s) for s in SOURCES
+    } == preset("off")
     cfg = make_cfg("determinism=on", "determinism.kernels=default").determinism
     assert flipped(vars(cfg), "on") == ["kernels=default"]
     det = setup(cfg, 0)
-    assert det.ops.name == "default" and det.seeded_sampling and det.fixed_routing and not det.invariant_kernels
+    assert (
+        det.ops.name == "default" and det.seeded_sampling and det.fixed_routing and not det.invariant_kernels
+    )
     assert torch.are_deterministic_algorithms_enabled()
     released = setup(make_cfg("determinism=on", "determinism.torch_algorithms=default").determinism, 0)
     assert released.ops.name == "batch_invariant" and not torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(False)
 
 
-@pytest.mark.parametrize("overrides, error", [
-    (["determinism.kernels=fast"], "determinism.kernels='fast' is not valid; choose one of ['batch_invariant', 'default']"),
-    (["rollout.partial.enabled=true", "determinism.cut=async"], "determinism.cut='async' is not valid with "
-     "determinism.routing='fixed'"),
-    (["rollout=sglang", "determinism.sampling=stream"], "determinism.sampling='stream' is not valid with "
-     "determinism.kernels='batch_invariant' on rollout=sglang"),
-])
+@pytest.mark.parametrize(
+    "overrides, error",
+    [
+        (
+            ["determinism.kernels=fast"],
+            "determinism.kernels='fast' is not valid; choose one of ['batch_invariant', 'default']",
+        ),
+        (
+            ["rollout.partial.enabled=true", "determinism.cut=async"],
+            "determinism.cut='async' is not valid with determinism.routing='fixed'",
+        ),
+        (
+            ["rollout=sglang", "determinism.sampling=stream"],
+            "determinism.sampling='stream' is not valid with "
+            "determinism.kernels='batch_invariant' on rollout=sglang",
+        ),
+    ],
+)
 def test_combinations_that_cannot_work_are_refused_in_one_line(overrides, error):
     with pytest.raises(ConfigError) as e:
         make_cfg("determinism=on", *overrides)
@@ -72,13 +87,31 @@ def test_released_kernels_change_the_logprobs_and_break_on_policy(all_on, tmp_pa
     assert _first(a, b) is None
 
 
-@pytest.mark.parametrize("source, value, model, why", [
-    ("routing", "dynamic", "qwen3", "per-sample seeds and batch-invariant kernels make a sample's bits independent "
-     "of its worker and batch-mates, and submission order undoes the completion order"),
-    ("order", "completion", "qwen3", "with fixed routing the engine already returns results in request order"),
-    ("moe_routing", "topk", "qwen3_moe", "torch.topk and the stable sort pick the same experts unless two router "
-     "probabilities tie exactly, which these runs never hit"),
-])
+@pytest.mark.parametrize(
+    "source, value, model, why",
+    [
+        (
+            "routing",
+            "dynamic",
+            "qwen3",
+            "per-sample seeds and batch-invariant kernels make a sample's bits independent "
+            "of its worker and batch-mates, and submission order undoes the completion order",
+        ),
+        (
+            "order",
+            "completion",
+            "qwen3",
+            "with fixed routing the engine already returns results in request order",
+        ),
+        (
+            "moe_routing",
+            "topk",
+            "qwen3_moe",
+            "torch.topk and the stable sort pick the same experts unless two router "
+            "probabilities tie exactly, which these runs never hit",
+        ),
+    ],
+)
 def test_sources_that_alone_leave_the_bits_unchanged(all_on, tmp_path, source, value, model, why):
     rows = run_tiny(tmp_path, *FAST, f"model={model}", f"determinism.{source}={value}")
     assert _first(rows, all_on[model]) is None, why
@@ -101,8 +134,13 @@ def test_async_cut_cuts_by_the_clock_and_the_budget_cut_is_reproducible(tmp_path
     """Partial rollout, the other sources pinned: the token-budget cut gives the same bits twice; the async cut
     (which needs dynamic batches) stops running batches at a 1 ms budget wherever they are, so its batches
     differ from the budget cut's (24 groups in flight for 8, batches of 4)."""
-    part = ["rollout.partial.enabled=true", "rollout.max_batch_size=4", "rollout.partial.oversample=3",
-            "rollout.partial.off_cut=time", "rollout.partial.time_budget_s=0.001"]
+    part = [
+        "rollout.partial.enabled=true",
+        "rollout.max_batch_size=4",
+        "rollout.partial.oversample=3",
+        "rollout.partial.off_cut=time",
+        "rollout.partial.time_budget_s=0.001",
+    ]
     a = run_tiny(tmp_path / "a", *FAST, *part)
     b = run_tiny(tmp_path / "b", *FAST, *part)
     assert _first(a, b) is None

@@ -20,7 +20,10 @@ def sweep_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweeps") / "smoke"
     proc = subprocess.run(
         [sys.executable, "train.py", "-m", "experiment=smoke", "logger=none", f"hydra.sweep.dir={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
@@ -41,7 +44,13 @@ def test_determinism_on_cell_has_exactly_one_trajectory(sweep_dir):
     assert v.loc["determinism=on", "mismatch_max"] == 0.0
     mat = divergence_matrix(load_sweep(sweep_dir))
     assert (mat.loc["determinism=on"] == 1).all()
-    assert set(spread(load_sweep(sweep_dir), "critic/score/mean").columns) >= {"cell", "step", "mean", "min", "max"}
+    assert set(spread(load_sweep(sweep_dir), "critic/score/mean").columns) >= {
+        "cell",
+        "step",
+        "mean",
+        "min",
+        "max",
+    }
 
 
 def test_report_renders_figures_and_summary(sweep_dir, tmp_path):
@@ -51,7 +60,9 @@ def test_report_renders_figures_and_summary(sweep_dir, tmp_path):
         assert (out / f"{name}.png").stat().st_size > 1000
     summary = (out / "summary.md").read_text()
     opening = summary.split("\n\n")[1]  # the findings, computed from the data, before the table
-    assert opening.startswith("1 of 1 determinism=on cells are bitwise identical") and opening.count(". ") >= 2
+    assert (
+        opening.startswith("1 of 1 determinism=on cells are bitwise identical") and opening.count(". ") >= 2
+    )
     assert "on repeats stay at exactly 0" in opening and "bitwise identical" in summary
 
 
@@ -68,12 +79,20 @@ def test_notebook_runs_headless_against_the_sweep(sweep_dir):
     params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1
     params[0].source = f"sweep_dir = {str(sweep_dir)!r}\nwandb_path = None"
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}
+    ).execute()
+    images = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})
+    ]
     assert len(images) == len(FIGURES)
-    verdict_html = next(o["data"]["text/html"] for c in nb.cells if c.cell_type == "code" for o in c.outputs
-                        if "text/html" in o.get("data", {}))
+    verdict_html = next(
+        o["data"]["text/html"]
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if "text/html" in o.get("data", {})
+    )
     assert "bitwise identical" in verdict_html
 
 
@@ -97,10 +116,14 @@ def test_killed_and_half_written_runs_load_as_incomplete(sweep_dir, tmp_path):
 
 def test_launchers_compose_for_parallel_and_slurm_sweeps():
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        joblib = compose("train", overrides=["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],
-                         return_hydra_config=True)
-        slurm = compose("train", overrides=["hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=30"],
-                        return_hydra_config=True)
+        joblib = compose(
+            "train", overrides=["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], return_hydra_config=True
+        )
+        slurm = compose(
+            "train",
+            overrides=["hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=30"],
+            return_hydra_config=True,
+        )
     assert "joblib" in joblib.hydra.launcher._target_ and joblib.hydra.launcher.n_jobs == 2
     assert "submitit" in slurm.hydra.launcher._target_ and slurm.hydra.launcher.timeout_min == 30
 
@@ -125,9 +148,25 @@ def test_source_ablation_preset_renders_its_section(tmp_path):
 
     out = tmp_path / "ablation"
     proc = subprocess.run(
-        [sys.executable, "train.py", "-m", "experiment=source_ablation", "model=qwen3", "steps=2", "train_batch_size=4",
-         "rollout.n=4", "warmstart.steps=40", "ablation=all_on,no_sampling,no_routing", "repeat=0,1",
-         f"hydra.sweep.dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            "experiment=source_ablation",
+            "model=qwen3",
+            "steps=2",
+            "train_batch_size=4",
+            "rollout.n=4",
+            "warmstart.steps=40",
+            "ablation=all_on,no_sampling,no_routing",
+            "repeat=0,1",
+            f"hydra.sweep.dir={out}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     sweep = load_sweep(out)
     t = ablation_table(sweep).set_index("ablation")

@@ -16,8 +16,17 @@ def test_three_step_run_logs_every_step_to_jsonl_and_wandb(tmp_path, model):
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(set(r) == set(rows[0]) for r in rows)
-    for key in ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean",
-                "timing_s/step", "mismatch/train_rollout_logprob_abs_diff", "mismatch/k3_kl", *FP_KEYS]:
+    for key in [
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/entropy",
+        "response_length/mean",
+        "timing_s/step",
+        "mismatch/train_rollout_logprob_abs_diff",
+        "mismatch/k3_kl",
+        *FP_KEYS,
+    ]:
         assert key in rows[0], key
     assert len({r["fp/params"] for r in rows}) == 3  # the weights move every step
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
@@ -25,12 +34,19 @@ def test_three_step_run_logs_every_step_to_jsonl_and_wandb(tmp_path, model):
     assert summary["steps"] == 3
 
 
-@pytest.mark.parametrize("model, algo", [("qwen3", "grpo"), ("qwen3_moe", "grpo"), ("qwen3", "dapo"),
-                                         ("qwen3_moe", "dapo")])
+@pytest.mark.parametrize(
+    "model, algo", [("qwen3", "grpo"), ("qwen3_moe", "grpo"), ("qwen3", "dapo"), ("qwen3_moe", "dapo")]
+)
 def test_determinism_on_gives_identical_fingerprints_and_true_on_policy(tmp_path, model, algo):
     # two runs with different engine layouts: 2 workers x batches of 64 vs 3 workers x batches of 5
     # two mini-batches (optimizer steps) per rollout batch, micro-batches of 12 sequences
-    extra = [f"model={model}", f"algo={algo}", "determinism=on", "algo.ppo_mini_batch_size=4", "micro_batch_size=12"]
+    extra = [
+        f"model={model}",
+        f"algo={algo}",
+        "determinism=on",
+        "algo.ppo_mini_batch_size=4",
+        "micro_batch_size=12",
+    ]
     a = run_tiny(tmp_path / "a", *extra, "rollout.num_workers=2")
     b = run_tiny(tmp_path / "b", *extra, "rollout.num_workers=3", "rollout.max_batch_size=5")
     assert [[r[k] for k in FP_KEYS] for r in a] == [[r[k] for k in FP_KEYS] for r in b]
@@ -61,7 +77,9 @@ def test_dynamic_sampling_keeps_only_groups_mixed_on_the_chosen_metric(tmp_path,
 
     trained = []  # the groups each step trains on
     real = collect.to_tensors
-    monkeypatch.setattr(collect, "to_tensors", lambda groups, *a, **k: trained.append(groups) or real(groups, *a, **k))
+    monkeypatch.setattr(
+        collect, "to_tensors", lambda groups, *a, **k: trained.append(groups) or real(groups, *a, **k)
+    )
     rows = run_tiny(tmp_path, "algo=dapo", f"algo.filter_groups.metric={metric}")
     assert len(trained) == 3 and all(len(g) == 8 for g in trained)
     assert all(r["dapo/kept_groups"] == 8 and r["dapo/gen_batches"] >= 1 for r in rows)
@@ -103,8 +121,17 @@ def test_dynamic_sampling_gives_up_with_a_clear_error(tmp_path):
     from detrl.trainer import train
 
     # temperature ~0: every group's samples agree, no group has signal
-    cfg = make_cfg("steps=2", "train_batch_size=2", "rollout.n=3", "model.init=random", "logger=none", "algo=dapo",
-                   "rollout.top_p=0.000001", "algo.filter_groups.max_num_gen_batches=2", "algo.overlong.enabled=false")
+    cfg = make_cfg(
+        "steps=2",
+        "train_batch_size=2",
+        "rollout.n=3",
+        "model.init=random",
+        "logger=none",
+        "algo=dapo",
+        "rollout.top_p=0.000001",
+        "algo.filter_groups.max_num_gen_batches=2",
+        "algo.overlong.enabled=false",
+    )
     with pytest.raises(RuntimeError, match="max_num_gen_batches=2"):
         train(cfg, tmp_path)
 
@@ -140,8 +167,16 @@ def test_partial_rollout_on_is_bitwise_reproducible_and_really_carries(tmp_path,
 def test_stale_token_modes_change_what_they_should(tmp_path):
     # one mini-batch: for fresh tokens old == current (ratio exactly 1 under determinism=on), so any ppo_kl
     # comes from stale tokens' old logprobs
-    runs = {mode: run_tiny(tmp_path / mode, "rollout.partial.enabled=true", f"rollout.partial.stale_tokens={mode}",
-                           "steps=4", "algo.ppo_mini_batch_size=0") for mode in ("keep", "rescore", "mask")}
+    runs = {
+        mode: run_tiny(
+            tmp_path / mode,
+            "rollout.partial.enabled=true",
+            f"rollout.partial.stale_tokens={mode}",
+            "steps=4",
+            "algo.ppo_mini_batch_size=0",
+        )
+        for mode in ("keep", "rescore", "mask")
+    }
     stale = [r["partial/staleness_max"] >= 1 for r in runs["keep"]]
     assert any(stale)
     # keep: stale tokens' old = the behaviour logprobs (older weights): the ratio is not 1 on them
@@ -159,9 +194,15 @@ def test_stale_token_modes_change_what_they_should(tmp_path):
 
 @pytest.mark.parametrize("cut", ["groups", "time"])
 def test_partial_rollout_off_runs_with_the_async_cut(tmp_path, cut):
-    rows = run_tiny(tmp_path, "rollout.partial.enabled=true", "determinism=off", "rollout.max_batch_size=4",
-                    "rollout.partial.oversample=3", f"rollout.partial.off_cut={cut}",
-                    "rollout.partial.time_budget_s=0.001")
+    rows = run_tiny(
+        tmp_path,
+        "rollout.partial.enabled=true",
+        "determinism=off",
+        "rollout.max_batch_size=4",
+        "rollout.partial.oversample=3",
+        f"rollout.partial.off_cut={cut}",
+        "rollout.partial.time_budget_s=0.001",
+    )
     # the cut really is async: requests are aborted wherever they are (24 groups in flight for 8: the first 8
     # to finish, or the 1 ms budget, end the call long before the other requests can finish); whether an
     # aborted sample had sampled a token yet (and so counts as carried) depends on timing, so it is not asserted
@@ -170,8 +211,13 @@ def test_partial_rollout_off_runs_with_the_async_cut(tmp_path, cut):
 
 
 def test_max_staleness_restarts_old_partial_samples(tmp_path):
-    rows = run_tiny(tmp_path, "rollout.partial.enabled=true", "rollout.partial.max_staleness=0",
-                    "rollout.partial.oversample=3", "steps=4")
+    rows = run_tiny(
+        tmp_path,
+        "rollout.partial.enabled=true",
+        "rollout.partial.max_staleness=0",
+        "rollout.partial.oversample=3",
+        "steps=4",
+    )
     assert max(r["partial/restarted"] for r in rows) > 0
     assert all(r["partial/staleness_max"] == 0 for r in rows)
 

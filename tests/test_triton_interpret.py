@@ -61,12 +61,16 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    pytest.importorskip("triton")  # the test environment installs it (SGLang's pin); a CPU-only install need not
+    pytest.importorskip(
+        "triton"
+    )  # the test environment installs it (SGLang's pin); a CPU-only install need not
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
+    return json.loads(line[len("RESULT") :])
 
 
 def test_the_gemm_sums_k_in_fixed_chunks_close_to_float32(interpreted):

@@ -22,8 +22,9 @@ def _batch(seed=0) -> tuple[StepBatch, torch.Tensor]:
     for i in range(N):  # responses of different lengths, some ending before the context does
         mask[i, P - 1 : P - 1 + 3 + i % 7] = 1.0
     versions = torch.where(mask > 0, 0, -1)
-    batch = StepBatch([], torch.zeros(N), torch.zeros(N), torch.arange(N) // 4, ids, mask,
-                      torch.zeros(N, L - 1), versions)
+    batch = StepBatch(
+        [], torch.zeros(N), torch.zeros(N), torch.arange(N) // 4, ids, mask, torch.zeros(N, L - 1), versions
+    )
     return batch, torch.randn(N, generator=g)
 
 
@@ -40,11 +41,15 @@ class _Recorder:
             p.grad = None
 
     def step(self):
-        self.grads.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in self.params])
+        self.grads.append(
+            [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        )
 
 
 def _cfg(*extra):
-    return make_cfg("train_batch_size=2", "rollout.n=4", "grad_clip=1e9", "algo.ppo_mini_batch_size=0", *extra)
+    return make_cfg(
+        "train_batch_size=2", "rollout.n=4", "grad_clip=1e9", "algo.ppo_mini_batch_size=0", *extra
+    )
 
 
 def _update(model, ref, cfg, det):
@@ -62,16 +67,29 @@ def _reference_grad(model, ref, cfg, det):
     a, ops, rope = cfg.algo, OPS[det], rope_tables(model.config, L)
     batch, adv = _batch()
     model.zero_grad(set_to_none=True)
-    logp, _ = token_logprobs(forward(model, batch.input_ids, ops, L, rope)[:, :-1], batch.input_ids[:, 1:], 1.0)
+    logp, _ = token_logprobs(
+        forward(model, batch.input_ids, ops, L, rope)[:, :-1], batch.input_ids[:, 1:], 1.0
+    )
     logp = logp * batch.mask
-    pg, _ = compute_policy_loss(logp, logp.detach(), adv[:, None].expand_as(logp), batch.mask, a.clip_ratio_low,
-                                a.clip_ratio_high, a.clip_ratio_c)
+    pg, _ = compute_policy_loss(
+        logp,
+        logp.detach(),
+        adv[:, None].expand_as(logp),
+        batch.mask,
+        a.clip_ratio_low,
+        a.clip_ratio_high,
+        a.clip_ratio_c,
+    )
     agg = dict(mode=a.loss_agg_mode, loss_scale_factor=cfg.rollout.max_new_tokens, global_batch_size=N)
     loss = agg_loss(pg, batch.mask, **agg)
     if ref is not None:
         with torch.no_grad():
-            rl, _ = token_logprobs(forward(ref, batch.input_ids, ops, L, rope)[:, :-1], batch.input_ids[:, 1:], 1.0)
-        loss = loss + a.kl_loss_coef * agg_loss(kl_penalty(logp, rl * batch.mask, a.kl_loss_type), batch.mask, **agg)
+            rl, _ = token_logprobs(
+                forward(ref, batch.input_ids, ops, L, rope)[:, :-1], batch.input_ids[:, 1:], 1.0
+            )
+        loss = loss + a.kl_loss_coef * agg_loss(
+            kl_penalty(logp, rl * batch.mask, a.kl_loss_type), batch.mask, **agg
+        )
     loss.backward()
     return [p.grad.clone() for p in model.parameters()]
 
@@ -108,11 +126,21 @@ def test_chunked_logprobs_are_the_full_paths_bits_under_batch_invariant_ops(mode
     batch, _ = _batch()
     rope = rope_tables(model.config, L)
     with torch.no_grad():
-        full, dist = token_logprobs(forward(model, batch.input_ids, BATCH_INVARIANT_OPS, L, rope)[:, :-1],
-                                    batch.input_ids[:, 1:], 0.7)
+        full, dist = token_logprobs(
+            forward(model, batch.input_ids, BATCH_INVARIANT_OPS, L, rope)[:, :-1], batch.input_ids[:, 1:], 0.7
+        )
         for chunk in (None, 16, 48):
-            lp, ent = sequence_logprobs(model, batch.input_ids, batch.mask, BATCH_INVARIANT_OPS, L, rope, 0.7,
-                                        entropy=True, chunk=chunk)
+            lp, ent = sequence_logprobs(
+                model,
+                batch.input_ids,
+                batch.mask,
+                BATCH_INVARIANT_OPS,
+                L,
+                rope,
+                0.7,
+                entropy=True,
+                chunk=chunk,
+            )
             assert torch.equal(lp, full * batch.mask)
             want = -(dist.exp() * dist).sum(-1) * batch.mask
             torch.testing.assert_close(ent, want, rtol=1e-6, atol=1e-6)
@@ -129,14 +157,23 @@ def test_old_logprobs_current_gives_the_recompute_passes_bits_under_batch_invari
     ref = build_model(ModelConfig(), seed=1).requires_grad_(False)
     batch, adv = _batch()
     batch.versions[::3] = torch.where(batch.mask[::3] > 0, -1, batch.versions[::3])  # stale rows
-    batch.rollout_logp = -torch.rand(batch.mask.shape, generator=torch.Generator().manual_seed(1)) * batch.mask
+    batch.rollout_logp = (
+        -torch.rand(batch.mask.shape, generator=torch.Generator().manual_seed(1)) * batch.mask
+    )
     rope = rope_tables(model.config, L)
     runs = {}
     for old in ("recompute", "current"):
-        cfg = _cfg("micro_batch_size=3", "algo.kl_loss_coef=0.1", f"algo.old_logprobs={old}",
-                   f"rollout.partial.stale_tokens={stale}")
+        cfg = _cfg(
+            "micro_batch_size=3",
+            "algo.kl_loss_coef=0.1",
+            f"algo.old_logprobs={old}",
+            f"rollout.partial.stale_tokens={stale}",
+        )
         opt = _Recorder(model.parameters())
-        runs[old] = opt.grads, update(model, ref, opt, batch, adv, cfg, BATCH_INVARIANT_OPS, L, rope, version=0)
+        runs[old] = (
+            opt.grads,
+            update(model, ref, opt, batch, adv, cfg, BATCH_INVARIANT_OPS, L, rope, version=0),
+        )
     (g_re, m_re), (g_cur, m_cur) = runs["recompute"], runs["current"]
     assert all(torch.equal(a, b) for a, b in zip(g_re[0], g_cur[0], strict=True))
     assert m_re == m_cur
@@ -146,8 +183,11 @@ def test_old_logprobs_current_gives_the_recompute_passes_bits_under_batch_invari
 def test_old_logprobs_current_needs_one_update_per_batch():
     from detrl.config import ConfigError
 
-    for bad, field in (("algo.ppo_epochs=2", "algo.ppo_epochs"), ("algo.ppo_mini_batch_size=1", "algo.ppo_mini_batch_size"),
-                       ("algo.rollout_correction=tis", "algo.rollout_correction")):
+    for bad, field in (
+        ("algo.ppo_epochs=2", "algo.ppo_epochs"),
+        ("algo.ppo_mini_batch_size=1", "algo.ppo_mini_batch_size"),
+        ("algo.rollout_correction=tis", "algo.rollout_correction"),
+    ):
         with pytest.raises(ConfigError, match=rf"^{field}="):
             make_cfg("train_batch_size=2", "algo.old_logprobs=current", bad)
 
@@ -173,8 +213,18 @@ def test_old_logprobs_current_where_no_token_trains_is_recompute(case):
     for old in ("recompute", "current"):
         model = build_model(ModelConfig(), seed=0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-        m = update(model, None, opt, batch, adv, _cfg(*extra, f"algo.old_logprobs={old}"), BATCH_INVARIANT_OPS, L,
-                   rope_tables(model.config, L), version=0)
+        m = update(
+            model,
+            None,
+            opt,
+            batch,
+            adv,
+            _cfg(*extra, f"algo.old_logprobs={old}"),
+            BATCH_INVARIANT_OPS,
+            L,
+            rope_tables(model.config, L),
+            version=0,
+        )
         runs[old] = m, [p.detach().clone() for p in model.parameters()]
     (m_re, p_re), (m_cur, p_cur) = runs["recompute"], runs["current"]
     assert m_re.keys() == m_cur.keys()
@@ -183,4 +233,6 @@ def test_old_logprobs_current_where_no_token_trains_is_recompute(case):
     assert all(torch.equal(a, b) for a, b in zip(p_re, p_cur, strict=True))
     if case == "all_stale_masked":
         fresh = build_model(ModelConfig(), seed=0)
-        assert all(torch.equal(a, b) for a, b in zip(p_cur, fresh.parameters()))  # nothing trained: nothing moved
+        assert all(
+            torch.equal(a, b) for a, b in zip(p_cur, fresh.parameters())
+        )  # nothing trained: nothing moved

@@ -50,8 +50,12 @@ def latest(run_dir: Path) -> Path | None:
 
 
 def _rng(engine_generator: torch.Generator) -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "engine": engine_generator.get_state()}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "engine": engine_generator.get_state(),
+    }
 
 
 def _set_rng(rng: dict, engine_generator: torch.Generator) -> None:
@@ -65,11 +69,23 @@ def _dcp_state(model, optimizer, ref_model) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     m, o = get_state_dict(model, optimizer)
-    return {"model": m, "optimizer": o, **({"ref_model": get_model_state_dict(ref_model)} if ref_model else {})}
+    return {
+        "model": m,
+        "optimizer": o,
+        **({"ref_model": get_model_state_dict(ref_model)} if ref_model else {}),
+    }
 
 
-def _save_sharded(run_dir: Path, state: RunState, model, optimizer, ref_model, engine_generator, config: dict,
-                  keep_last: int) -> Path:
+def _save_sharded(
+    run_dir: Path,
+    state: RunState,
+    model,
+    optimizer,
+    ref_model,
+    engine_generator,
+    config: dict,
+    keep_last: int,
+) -> Path:
     import torch.distributed.checkpoint as dcp
 
     from detrl import distributed
@@ -85,8 +101,10 @@ def _save_sharded(run_dir: Path, state: RunState, model, optimizer, ref_model, e
     torch.save(_rng(engine_generator), tmp / f"rng-{distributed.rank()}.pt")
     distributed.barrier()
     if main:
-        torch.save({"run": vars(state), "config": config, "world_size": distributed.world_size(), "dcp": True},
-                   tmp / "state.pt")
+        torch.save(
+            {"run": vars(state), "config": config, "world_size": distributed.world_size(), "dcp": True},
+            tmp / "state.pt",
+        )
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)  # atomic: a reader sees no checkpoint or a whole one
@@ -96,8 +114,16 @@ def _save_sharded(run_dir: Path, state: RunState, model, optimizer, ref_model, e
     return final
 
 
-def save(run_dir: Path, state: RunState, model, optimizer, ref_model, engine_generator: torch.Generator,
-         config: dict, keep_last: int = 2) -> Path:
+def save(
+    run_dir: Path,
+    state: RunState,
+    model,
+    optimizer,
+    ref_model,
+    engine_generator: torch.Generator,
+    config: dict,
+    keep_last: int = 2,
+) -> Path:
     from detrl import distributed
 
     if distributed.is_sharded(model):
@@ -105,11 +131,17 @@ def save(run_dir: Path, state: RunState, model, optimizer, ref_model, engine_gen
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     payload = {
-        "run": vars(state), "config": config,
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "run": vars(state),
+        "config": config,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
         "ref_model": ref_model.state_dict() if ref_model is not None else None,
-        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                "engine": engine_generator.get_state()},
+        "rng": {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "engine": engine_generator.get_state(),
+        },
     }
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
     torch.save(payload, tmp / "state.pt")
@@ -134,7 +166,9 @@ def resolve(resume: str | None, run_dir: Path) -> Path | None:
         return path
     found = latest(path)
     if found is None:
-        raise ConfigError(f"resume={resume!r} is not valid: no checkpoint there; use 'auto' or a run/checkpoint dir")
+        raise ConfigError(
+            f"resume={resume!r} is not valid: no checkpoint there; use 'auto' or a run/checkpoint dir"
+        )
     return found
 
 
@@ -174,8 +208,10 @@ def load(path: Path, config: dict, allow_config_change: bool) -> dict:
     payload["path"] = Path(path)
     saved, world = payload.get("world_size", 1), distributed.world_size()
     if saved != world:
-        raise ConfigError(f"resume refused: {path} was written by {saved} rank(s), this run has {world}; "
-                          "resume on the same number of ranks")
+        raise ConfigError(
+            f"resume refused: {path} was written by {saved} rank(s), this run has {world}; "
+            "resume on the same number of ranks"
+        )
     d = _diff(payload["config"], config)
     if d and not allow_config_change:
         raise ConfigError(
@@ -197,7 +233,9 @@ def restore(payload: dict, model, optimizer, ref_model, engine_generator: torch.
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
         if ref_model is not None:
             set_model_state_dict(ref_model, sd["ref_model"])
-        _set_rng(torch.load(payload["path"] / f"rng-{distributed.rank()}.pt", weights_only=False), engine_generator)
+        _set_rng(
+            torch.load(payload["path"] / f"rng-{distributed.rank()}.pt", weights_only=False), engine_generator
+        )
         return RunState(**payload["run"])
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])

@@ -46,7 +46,10 @@ def main_task(cfg: DictConfig) -> dict:
     from detrl.trainer import train  # heavy imports after validation
 
     if not typed.run_dir and distributed.requested_world_size() > 1:  # torchrun: every rank uses rank 0's dir
-        ours, run_dir = run_dir, distributed.same_run_dir(run_dir)  # (Hydra names one by each process's start)
+        ours, run_dir = (
+            run_dir,
+            distributed.same_run_dir(run_dir),
+        )  # (Hydra names one by each process's start)
         if ours != run_dir:
             _remove_if_fresh(ours)
 
@@ -64,6 +67,8 @@ def main_task(cfg: DictConfig) -> dict:
     main = distributed.is_main()
     distributed.close()  # torchrun: leave the process group
     if summary and main:
-        print(f"reward: first {summary['reward/first']:.3f} -> last {summary['reward/last']:.3f} "
-              f"over {summary['steps']} steps; run dir {run_dir}")
+        print(
+            f"reward: first {summary['reward/first']:.3f} -> last {summary['reward/last']:.3f} "
+            f"over {summary['steps']} steps; run dir {run_dir}"
+        )
     return summary

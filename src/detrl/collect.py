@@ -18,8 +18,14 @@ from detrl.config import TrainConfig
 from detrl.rollout import Request, Result
 from detrl.rollout.partial import Group, PartialBuffer, Sample
 
-PARTIAL_KEYS = ("partial/carried", "partial/restarted", "partial/staleness_mean", "partial/staleness_max",
-                "partial/buffer_groups", "response/aborted_ratio")
+PARTIAL_KEYS = (
+    "partial/carried",
+    "partial/restarted",
+    "partial/staleness_mean",
+    "partial/staleness_max",
+    "partial/buffer_groups",
+    "response/aborted_ratio",
+)
 
 
 @dataclass
@@ -61,7 +67,9 @@ class GroupSource:
         for i, p in enumerate(self.task.batch(data_pos, count)):
             uid = self.det.prompt_uid(data_pos + i)
             ids = tuple(self.task.encode(self.tokenizer, p))  # the chat template applied when configured
-            reqs = [Request(uid, k, ids, self.det.sampling_seed(step, uid, k)) for k in range(self.cfg.rollout.n)]
+            reqs = [
+                Request(uid, k, ids, self.det.sampling_seed(step, uid, k)) for k in range(self.cfg.rollout.n)
+            ]
             out.append((uid, p.answer, reqs))
         return out
 
@@ -69,14 +77,17 @@ class GroupSource:
         """(shaped, correct) rewards of a group's responses; `task` (default the train split) counts the errors."""
         ol = self.cfg.algo.overlong
         # the response without its stop token (eos / <|im_end|> ...); a reward that raises or times out scores 0
-        texts = self.tokenizer.batch_decode([r.tokens[:-1] if r.finish_reason == "stop" else r.tokens
-                                             for r in results], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(
+            [r.tokens[:-1] if r.finish_reason == "stop" else r.tokens for r in results],
+            skip_special_tokens=True,
+        )
         correct = torch.tensor((task or self.task).score_texts(texts, answer))
         shaped = correct.clone()
         if ol.enabled:
             lengths = torch.tensor([len(r.tokens) for r in results])
-            shaped = shaped + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, ol.buffer_len,
-                                               ol.penalty_factor)
+            shaped = shaped + overlong_penalty(
+                lengths, self.cfg.rollout.max_new_tokens, ol.buffer_len, ol.penalty_factor
+            )
         return shaped, correct
 
     def keep(self, groups: list[Scored]) -> list[Scored]:
@@ -109,8 +120,10 @@ def filter_metric(group: Scored, metric: str) -> torch.Tensor:
         return group.correct
     if metric in ("seq_reward", "seq_final_reward"):
         return group.shaped
-    raise ValueError(f"algo.filter_groups.metric={metric!r} is not valid; "
-                     "choose one of ['acc', 'score', 'seq_reward', 'seq_final_reward']")
+    raise ValueError(
+        f"algo.filter_groups.metric={metric!r} is not valid; "
+        "choose one of ['acc', 'score', 'seq_reward', 'seq_final_reward']"
+    )
 
 
 def collect(engine, source: GroupSource, step: int, data_pos: int, ctx_len: int) -> tuple[StepBatch, int]:
@@ -137,8 +150,9 @@ def collect(engine, source: GroupSource, step: int, data_pos: int, ctx_len: int)
     return batch, data_pos
 
 
-def collect_partial(engine, source: GroupSource, buffer: PartialBuffer, step: int, data_pos: int,
-                    ctx_len: int) -> tuple[StepBatch, int]:
+def collect_partial(
+    engine, source: GroupSource, buffer: PartialBuffer, step: int, data_pos: int, ctx_len: int
+) -> tuple[StepBatch, int]:
     """Partial rollout: continue the buffer's unfinished samples and top it up with new groups; stop once
     `train_batch_size` groups are complete (on: at a token-budget round boundary; off: as the first
     groups finish); unfinished samples stay in the buffer for the next step."""
@@ -153,7 +167,9 @@ def collect_partial(engine, source: GroupSource, buffer: PartialBuffer, step: in
     def top_up() -> None:
         nonlocal data_pos
         new = max(0, in_flight - len(buffer.groups))
-        buffer.groups += [Group(uid, ans, [Sample(r) for r in reqs]) for uid, ans, reqs in source.new(step, data_pos, new)]
+        buffer.groups += [
+            Group(uid, ans, [Sample(r) for r in reqs]) for uid, ans, reqs in source.new(step, data_pos, new)
+        ]
         data_pos += new
 
     ready: list[tuple[Group, Scored]] = []
@@ -196,8 +212,10 @@ def collect_partial(engine, source: GroupSource, buffer: PartialBuffer, step: in
     lag = version - batch.versions[batch.mask > 0]
     batch.gen_rounds, batch.kept_groups = rounds, need
     batch.stats = {
-        "partial/carried": float(carried), "partial/restarted": float(restarted),
-        "partial/staleness_mean": lag.float().mean().item(), "partial/staleness_max": float(lag.max().item()),
+        "partial/carried": float(carried),
+        "partial/restarted": float(restarted),
+        "partial/staleness_mean": lag.float().mean().item(),
+        "partial/staleness_max": float(lag.max().item()),
         "partial/buffer_groups": float(len(buffer.groups)),
         "response/aborted_ratio": aborted / max(calls, 1),
     }
@@ -250,7 +268,9 @@ def to_tensors(groups: list[Scored], ctx_len: int, version: int) -> StepBatch:
     rollout_logp = torch.zeros(n, ctx_len - 1)
     versions = torch.full((n, ctx_len - 1), -1, dtype=torch.long)
     group_ids = torch.tensor([gi for gi, g in enumerate(groups) for _ in g.results])
-    token_versions = [v for g in groups for v in (g.versions or [[version] * len(r.tokens) for r in g.results])]
+    token_versions = [
+        v for g in groups for v in (g.versions or [[version] * len(r.tokens) for r in g.results])
+    ]
     for i, r in enumerate(results):
         p, t = len(r.request.prompt_ids), len(r.tokens)
         input_ids[i, : p + t] = torch.tensor(r.request.prompt_ids + tuple(r.tokens))
@@ -259,8 +279,17 @@ def to_tensors(groups: list[Scored], ctx_len: int, version: int) -> StepBatch:
         versions[i, p - 1 : p - 1 + t] = torch.tensor(token_versions[i], dtype=torch.long)
     scores = torch.cat([g.shaped for g in groups])
     correct = torch.cat([g.correct for g in groups])
-    return StepBatch(results, scores, correct, group_ids, input_ids, mask, rollout_logp, versions,
-                     routed_experts(results, ctx_len))
+    return StepBatch(
+        results,
+        scores,
+        correct,
+        group_ids,
+        input_ids,
+        mask,
+        rollout_logp,
+        versions,
+        routed_experts(results, ctx_len),
+    )
 
 
 def routed_experts(results: list[Result], ctx_len: int) -> torch.Tensor | None:
@@ -271,7 +300,9 @@ def routed_experts(results: list[Result], ctx_len: int) -> torch.Tensor | None:
     out = torch.full((len(results), ctx_len - 1, *results[0].routed_experts.shape[1:]), -1, dtype=torch.int16)
     for i, r in enumerate(results):
         if len(r.routed_experts) != len(r.tokens):
-            raise ValueError(f"sample {r.uid}: {len(r.routed_experts)} routed-expert rows for {len(r.tokens)} tokens")
+            raise ValueError(
+                f"sample {r.uid}: {len(r.routed_experts)} routed-expert rows for {len(r.tokens)} tokens"
+            )
         p = len(r.request.prompt_ids)
         out[i, p - 1 : p - 1 + len(r.tokens)] = torch.from_numpy(r.routed_experts)
     return out

@@ -157,7 +157,9 @@ class PartialRolloutConfig:
     # prefix, so a budget of 1 costs O(length^2): 0 = auto, ceil(rollout.max_new_tokens / ROUNDS_PER_RESPONSE)
     token_budget: int = 0
     oversample: float = 1.5  # prompt groups in flight per step, as a multiple of train_batch_size
-    max_staleness: int = 2  # an unfinished sample whose oldest token is older than this many versions restarts
+    max_staleness: int = (
+        2  # an unfinished sample whose oldest token is older than this many versions restarts
+    )
     stale_tokens: str = "keep"  # keep (importance ratio vs the behaviour logprobs) | mask | rescore
     off_cut: str = "groups"  # determinism.cut=async: cut when the first groups finish (groups) or at a wall-clock budget (time)
     time_budget_s: float = 0.05  # off_cut=time: seconds of generation per call before the cut
@@ -165,13 +167,17 @@ class PartialRolloutConfig:
 
 @dataclass
 class SGLangConfig:
-    urls: list[str] = field(default_factory=list)  # attach to running servers (SGLang or python -m detrl.serve)
+    urls: list[str] = field(
+        default_factory=list
+    )  # attach to running servers (SGLang or python -m detrl.serve)
     num_servers: int = 1  # servers to launch when urls is empty
     gpu_ids: list[list[int]] = field(default_factory=list)  # per server (CUDA_VISIBLE_DEVICES); [] = inherit
     tp_size: int = 1
     port: int = 30000  # first port; server i listens on port + i
     attention_backend: str = "fa3"  # with determinism on: fa3 (Hopper), flashinfer or triton
-    rl_on_policy_target: bool = False  # adds --rl-on-policy-target fsdp (checked against the installed SGLang)
+    rl_on_policy_target: bool = (
+        False  # adds --rl-on-policy-target fsdp (checked against the installed SGLang)
+    )
     health_timeout_s: float = 600.0
     timeout_s: float = 120.0
     retries: int = 3
@@ -202,11 +208,15 @@ class DataConfig:
     # gsm8k / math: local files read through `datasets` (a .parquet / .jsonl / .json file, or a dir of them)
     path: str | None = None
     eval_path: str | None = None
-    prompt_key: str | None = None  # column of the prompt (a dotted path reaches into a struct); None: the task's default
+    prompt_key: str | None = (
+        None  # column of the prompt (a dotted path reaches into a struct); None: the task's default
+    )
     answer_key: str | None = None  # column of the gold answer; None: the task's default
     prompt_template: str | None = None  # "{prompt}" stands for the row's prompt; None: the task's default
     chat_template: bool = False  # render prompts with the tokenizer's chat template
-    enable_thinking: bool | None = None  # passed to the chat template (Qwen3's thinking switch); None: not passed
+    enable_thinking: bool | None = (
+        None  # passed to the chat template (Qwen3's thinking switch); None: not passed
+    )
     system_prompt: str | None = None
     max_prompt_length: int = 0  # prompts longer than this many tokens are left out (0 = keep all)
     shuffle: bool = True  # file tasks: the training order is a seeded shuffle of the rows
@@ -268,7 +278,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     run_dir: str | None = None  # default: Hydra's output dir
-    resume: str | None = None  # auto (latest checkpoint in run_dir, else start fresh) | a run or checkpoint dir
+    resume: str | None = (
+        None  # auto (latest checkpoint in run_dir, else start fresh) | a run or checkpoint dir
+    )
     # per-decoder-layer digests of a fixed canary batch (fp/layers/<i>) every N steps (0 = never);
     # `python -m detrl.forensics RUN_A RUN_B` localises where two runs' weights part
     layer_digests_every: int = 0
@@ -314,22 +326,43 @@ def validate(cfg: TrainConfig) -> None:
         _validate_correction(a.rollout_correction, **vars(a.rollout_corr), prefix="algo.rollout_corr")
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    _check(cfg.layer_digests_every >= 0, "layer_digests_every", cfg.layer_digests_every, "must be >= 0 (0 = never)")
+    _check(
+        cfg.layer_digests_every >= 0,
+        "layer_digests_every",
+        cfg.layer_digests_every,
+        "must be >= 0 (0 = never)",
+    )
     _choice("model.name", m.name, MODEL_NAMES)
     _choice("model.init", m.init, MODEL_INITS)
     _choice("model.dtype", m.dtype, ("auto", "float32", "bfloat16"))
     _choice("device", cfg.device, ("auto", "cpu", "cuda"))
-    _check(m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",
-           m.num_key_value_heads, "must divide model.num_attention_heads")
+    _check(
+        m.num_attention_heads % m.num_key_value_heads == 0,
+        "model.num_key_value_heads",
+        m.num_key_value_heads,
+        "must divide model.num_attention_heads",
+    )
     if m.name == "qwen3_moe":
-        _check(1 <= m.num_experts_per_tok <= m.num_experts, "model.num_experts_per_tok",
-               m.num_experts_per_tok, f"must be in [1, model.num_experts={m.num_experts}]")
+        _check(
+            1 <= m.num_experts_per_tok <= m.num_experts,
+            "model.num_experts_per_tok",
+            m.num_experts_per_tok,
+            f"must be in [1, model.num_experts={m.num_experts}]",
+        )
     _choice("algo.name", a.name, ALGO_NAMES)
     if a.routing_replay:
-        _check(m.name == "qwen3_moe", "algo.routing_replay", a.routing_replay,
-               f"model={m.name} is dense, it has no expert routing to replay (use model=qwen3_moe)")
-        _check(r.backend == "embedded", "algo.routing_replay", a.routing_replay,
-               f"rollout={r.backend} does not record expert ids (use rollout=embedded)")
+        _check(
+            m.name == "qwen3_moe",
+            "algo.routing_replay",
+            a.routing_replay,
+            f"model={m.name} is dense, it has no expert routing to replay (use model=qwen3_moe)",
+        )
+        _check(
+            r.backend == "embedded",
+            "algo.routing_replay",
+            a.routing_replay,
+            f"rollout={r.backend} does not record expert ids (use rollout=embedded)",
+        )
     _choice("algo.adv_estimator", a.adv_estimator, ("grpo",))
     _choice("algo.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES)
     _choice("algo.kl_loss_type", a.kl_loss_type, KL_TYPES)
@@ -337,26 +370,54 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 <= a.clip_ratio_low < 1, "algo.clip_ratio_low", a.clip_ratio_low, "must be in [0, 1)")
     _check(a.clip_ratio_high >= 0, "algo.clip_ratio_high", a.clip_ratio_high, "must be >= 0")
     _check(a.overlong.buffer_len >= 0, "algo.overlong.buffer_len", a.overlong.buffer_len, "must be >= 0")
-    _check(a.overlong.buffer_len < r.max_new_tokens or not a.overlong.enabled, "algo.overlong.buffer_len",
-           a.overlong.buffer_len, f"must be < rollout.max_new_tokens={r.max_new_tokens}")
-    _check(a.filter_groups.max_num_gen_batches >= 0, "algo.filter_groups.max_num_gen_batches",
-           a.filter_groups.max_num_gen_batches, "must be >= 0 (0 = no limit)")
+    _check(
+        a.overlong.buffer_len < r.max_new_tokens or not a.overlong.enabled,
+        "algo.overlong.buffer_len",
+        a.overlong.buffer_len,
+        f"must be < rollout.max_new_tokens={r.max_new_tokens}",
+    )
+    _check(
+        a.filter_groups.max_num_gen_batches >= 0,
+        "algo.filter_groups.max_num_gen_batches",
+        a.filter_groups.max_num_gen_batches,
+        "must be >= 0 (0 = no limit)",
+    )
     _choice("algo.filter_groups.metric", a.filter_groups.metric, FILTER_METRICS)
-    _check(a.loss_scale_factor is None or a.loss_scale_factor > 0, "algo.loss_scale_factor", a.loss_scale_factor,
-           "must be > 0 (or null = rollout.max_new_tokens)")
+    _check(
+        a.loss_scale_factor is None or a.loss_scale_factor > 0,
+        "algo.loss_scale_factor",
+        a.loss_scale_factor,
+        "must be > 0 (or null = rollout.max_new_tokens)",
+    )
     _check(a.ppo_epochs >= 1, "algo.ppo_epochs", a.ppo_epochs, "must be >= 1")
     mini = a.ppo_mini_batch_size
-    _check(mini >= 0 and (mini == 0 or mini >= cfg.train_batch_size or cfg.train_batch_size % mini == 0),
-           "algo.ppo_mini_batch_size", mini,
-           f"must divide train_batch_size={cfg.train_batch_size} (prompts; 0 or >= it = the whole batch)")
+    _check(
+        mini >= 0 and (mini == 0 or mini >= cfg.train_batch_size or cfg.train_batch_size % mini == 0),
+        "algo.ppo_mini_batch_size",
+        mini,
+        f"must divide train_batch_size={cfg.train_batch_size} (prompts; 0 or >= it = the whole batch)",
+    )
     _choice("algo.old_logprobs", a.old_logprobs, ("recompute", "current"))
     if a.old_logprobs == "current":
         _check(a.ppo_epochs == 1, "algo.ppo_epochs", a.ppo_epochs, "must be 1 with algo.old_logprobs=current")
-        _check(mini == 0 or mini >= cfg.train_batch_size, "algo.ppo_mini_batch_size", mini,
-               f"must be 0 or >= train_batch_size={cfg.train_batch_size} (one mini-batch) with algo.old_logprobs=current")
-        _check(a.rollout_correction == "none", "algo.rollout_correction", a.rollout_correction,
-               "must be none with algo.old_logprobs=current (its weights need every old logprob before the loss)")
-    _check(cfg.determinism.name in ("on", "off"), "determinism", cfg.determinism.name, "choose one of ['on', 'off']")
+        _check(
+            mini == 0 or mini >= cfg.train_batch_size,
+            "algo.ppo_mini_batch_size",
+            mini,
+            f"must be 0 or >= train_batch_size={cfg.train_batch_size} (one mini-batch) with algo.old_logprobs=current",
+        )
+        _check(
+            a.rollout_correction == "none",
+            "algo.rollout_correction",
+            a.rollout_correction,
+            "must be none with algo.old_logprobs=current (its weights need every old logprob before the loss)",
+        )
+    _check(
+        cfg.determinism.name in ("on", "off"),
+        "determinism",
+        cfg.determinism.name,
+        "choose one of ['on', 'off']",
+    )
     _choice("rollout.backend", r.backend, ROLLOUT_BACKENDS)
     from detrl.determinism import check as _check_determinism
 
@@ -366,45 +427,88 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(str(e)) from None
     if r.backend == "sglang":
         _check(r.sglang.num_servers >= 1, "rollout.sglang.num_servers", r.sglang.num_servers, "must be >= 1")
-        _choice("rollout.sglang.attention_backend", r.sglang.attention_backend, ("fa3", "flashinfer", "triton"))
+        _choice(
+            "rollout.sglang.attention_backend", r.sglang.attention_backend, ("fa3", "flashinfer", "triton")
+        )
     _check(r.n >= 1, "rollout.n", r.n, "must be >= 1")
     _check(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0")
     _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "must be >= 1")
     _check(r.num_workers >= 1, "rollout.num_workers", r.num_workers, "must be >= 1")
     _check(r.max_batch_size >= 1, "rollout.max_batch_size", r.max_batch_size, "must be >= 1")
-    _check(r.partial.token_budget >= 0, "rollout.partial.token_budget", r.partial.token_budget,
-           "must be >= 0 (0 = auto: max_new_tokens / 4 a round)")
+    _check(
+        r.partial.token_budget >= 0,
+        "rollout.partial.token_budget",
+        r.partial.token_budget,
+        "must be >= 0 (0 = auto: max_new_tokens / 4 a round)",
+    )
     _check(r.partial.oversample >= 1.0, "rollout.partial.oversample", r.partial.oversample, "must be >= 1")
-    _check(r.partial.max_staleness >= 0, "rollout.partial.max_staleness", r.partial.max_staleness, "must be >= 0")
+    _check(
+        r.partial.max_staleness >= 0, "rollout.partial.max_staleness", r.partial.max_staleness, "must be >= 0"
+    )
     _choice("rollout.partial.stale_tokens", r.partial.stale_tokens, ("keep", "mask", "rescore"))
     _choice("rollout.partial.off_cut", r.partial.off_cut, ("groups", "time"))
-    _check(r.partial.time_budget_s > 0, "rollout.partial.time_budget_s", r.partial.time_budget_s, "must be > 0")
+    _check(
+        r.partial.time_budget_s > 0, "rollout.partial.time_budget_s", r.partial.time_budget_s, "must be > 0"
+    )
     _choice("data.name", cfg.data.name, ("arithmetic", "gsm8k", "math"))
     d, ev = cfg.data, cfg.eval
     if d.name != "arithmetic":
-        _check(d.path is not None, "data.path", d.path, f"data={d.name} reads local files: set data.path=/file/or/dir")
-        _check(m.path is not None or m.init == "random", "model.init", m.init,
-               f"the warm start is for data=arithmetic; with data={d.name} set model.path=/hf/dir or model.init=random")
+        _check(
+            d.path is not None,
+            "data.path",
+            d.path,
+            f"data={d.name} reads local files: set data.path=/file/or/dir",
+        )
+        _check(
+            m.path is not None or m.init == "random",
+            "model.init",
+            m.init,
+            f"the warm start is for data=arithmetic; with data={d.name} set model.path=/hf/dir or model.init=random",
+        )
     _check(0 <= d.eval_fraction < 1, "data.eval_fraction", d.eval_fraction, "must be in [0, 1)")
     _choice("data.gsm8k_method", d.gsm8k_method, ("strict", "flexible"))
-    _check(d.max_prompt_length >= 0, "data.max_prompt_length", d.max_prompt_length, "must be >= 0 (0 = keep all)")
-    _check(d.reward_timeout_s >= 0, "data.reward_timeout_s", d.reward_timeout_s, "must be >= 0 (0 = no limit)")
-    _check(d.reward_workers >= 0, "data.reward_workers", d.reward_workers, "must be >= 0 (0 = score in the trainer)")
+    _check(
+        d.max_prompt_length >= 0, "data.max_prompt_length", d.max_prompt_length, "must be >= 0 (0 = keep all)"
+    )
+    _check(
+        d.reward_timeout_s >= 0, "data.reward_timeout_s", d.reward_timeout_s, "must be >= 0 (0 = no limit)"
+    )
+    _check(
+        d.reward_workers >= 0,
+        "data.reward_workers",
+        d.reward_workers,
+        "must be >= 0 (0 = score in the trainer)",
+    )
     _check(ev.every >= 0, "eval.every", ev.every, "must be >= 0 (0 = never)")
     _check(ev.n >= 1, "eval.n", ev.n, "must be >= 1")
     _check(ev.temperature > 0, "eval.temperature", ev.temperature, "must be > 0")
     _check(0 < ev.top_p <= 1, "eval.top_p", ev.top_p, "must be in (0, 1]")
     _check(ev.max_prompts >= 0, "eval.max_prompts", ev.max_prompts, "must be >= 0 (0 = all)")
     _check(ev.batch_prompts >= 1, "eval.batch_prompts", ev.batch_prompts, "must be >= 1")
-    _check(ev.every == 0 or d.name == "arithmetic" or d.eval_path is not None or d.eval_fraction > 0, "eval.every",
-           ev.every, "needs an eval split: set data.eval_path or data.eval_fraction > 0")
-    _choice("model.attn_implementation", m.attn_implementation,
-            (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"))
-    _check(set(cfg.data.ops) <= {"+", "-", "*"} and len(cfg.data.ops) > 0, "data.ops", list(cfg.data.ops),
-           "choose a non-empty subset of ['+', '-', '*']")
-    _check(0 <= cfg.data.min_operand <= cfg.data.max_operand, "data.max_operand", cfg.data.max_operand,
-           f"must be >= data.min_operand={cfg.data.min_operand} >= 0")
+    _check(
+        ev.every == 0 or d.name == "arithmetic" or d.eval_path is not None or d.eval_fraction > 0,
+        "eval.every",
+        ev.every,
+        "needs an eval split: set data.eval_path or data.eval_fraction > 0",
+    )
+    _choice(
+        "model.attn_implementation",
+        m.attn_implementation,
+        (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
+    )
+    _check(
+        set(cfg.data.ops) <= {"+", "-", "*"} and len(cfg.data.ops) > 0,
+        "data.ops",
+        list(cfg.data.ops),
+        "choose a non-empty subset of ['+', '-', '*']",
+    )
+    _check(
+        0 <= cfg.data.min_operand <= cfg.data.max_operand,
+        "data.max_operand",
+        cfg.data.max_operand,
+        f"must be >= data.min_operand={cfg.data.min_operand} >= 0",
+    )
     _choice("logger.backend", cfg.logger.backend, LOGGER_BACKENDS)
     _check(cfg.steps >= 0, "steps", cfg.steps, "must be >= 0")
     _check(cfg.train_batch_size >= 1, "train_batch_size", cfg.train_batch_size, "must be >= 1")
@@ -413,12 +517,26 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.grad_clip >= 0, "grad_clip", cfg.grad_clip, "must be >= 0")
     _check(cfg.weight_decay >= 0, "weight_decay", cfg.weight_decay, "must be >= 0")
     o = cfg.optim
-    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
-           "must be two values in [0, 1)")
+    _check(
+        len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+        "optim.betas",
+        list(o.betas),
+        "must be two values in [0, 1)",
+    )
     _choice("optim.lr_scheduler_type", o.lr_scheduler_type, ("constant", "cosine"))
-    _check(0 <= o.lr_warmup_steps_ratio <= 1, "optim.lr_warmup_steps_ratio", o.lr_warmup_steps_ratio, "must be in [0, 1]")
+    _check(
+        0 <= o.lr_warmup_steps_ratio <= 1,
+        "optim.lr_warmup_steps_ratio",
+        o.lr_warmup_steps_ratio,
+        "must be in [0, 1]",
+    )
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
-    _check(cfg.checkpoint.every >= 0, "checkpoint.every", cfg.checkpoint.every, "must be >= 0 (0 = only at the end)")
+    _check(
+        cfg.checkpoint.every >= 0,
+        "checkpoint.every",
+        cfg.checkpoint.every,
+        "must be >= 0 (0 = only at the end)",
+    )
     _check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
 
 

@@ -92,15 +92,21 @@ def check(sources: dict[str, str], *, partial: bool = False, backend: str = "emb
         if sources[s] not in vals:
             raise ValueError(f"determinism.{s}={sources[s]!r} is not valid; choose one of {list(vals)}")
     if partial and sources["cut"] == "async" and sources["routing"] == "fixed":
-        raise ValueError("determinism.cut='async' is not valid with determinism.routing='fixed': the engine cuts "
-                         "running batches by the clock only when batches are dynamic; set determinism.routing=dynamic")
+        raise ValueError(
+            "determinism.cut='async' is not valid with determinism.routing='fixed': the engine cuts "
+            "running batches by the clock only when batches are dynamic; set determinism.routing=dynamic"
+        )
     if backend == "sglang" and (sources["sampling"] == "seeded") != (sources["kernels"] == "batch_invariant"):
-        raise ValueError(f"determinism.sampling={sources['sampling']!r} is not valid with determinism.kernels="
-                         f"{sources['kernels']!r} on rollout=sglang: one server flag (--enable-deterministic-inference)"
-                         " sets both; choose seeded + batch_invariant or stream + default")
+        raise ValueError(
+            f"determinism.sampling={sources['sampling']!r} is not valid with determinism.kernels="
+            f"{sources['kernels']!r} on rollout=sglang: one server flag (--enable-deterministic-inference)"
+            " sets both; choose seeded + batch_invariant or stream + default"
+        )
     if backend == "sglang" and partial and sources["cut"] == "async":
-        raise ValueError("determinism.cut='async' is not valid with rollout=sglang: its partial-rollout cut is "
-                         "the token budget; set determinism.cut=token_budget")
+        raise ValueError(
+            "determinism.cut='async' is not valid with rollout=sglang: its partial-rollout cut is "
+            "the token budget; set determinism.cut=token_budget"
+        )
 
 
 def stable_hash(*parts: int | str) -> int:
@@ -207,8 +213,13 @@ class Determinism:
         return sorted(results, key=lambda r: rank[r.uid])
 
 
-def setup(mode, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-          activation_checkpointing: bool = False) -> Determinism:
+def setup(
+    mode,
+    seed: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    activation_checkpointing: bool = False,
+) -> Determinism:
     """Seed every RNG from the run seed (CUDA's too: torch.manual_seed seeds every device) and set torch's
     global determinism flags, before any CUDA work (cuBLAS reads its workspace config at first use).
     `mode`: True / False (the on / off presets), a preset name, or a DeterminismConfig."""
@@ -228,5 +239,10 @@ def setup(mode, seed: int, device: torch.device | str = "cpu", dtype: torch.dtyp
     torch.backends.cudnn.benchmark = not pinned
     torch.backends.cuda.matmul.allow_tf32 = not pinned
     torch.backends.cudnn.allow_tf32 = not pinned
-    return Determinism(sources=sources, seed=seed, device=torch.device(device), dtype=dtype,
-                       activation_checkpointing=activation_checkpointing)
+    return Determinism(
+        sources=sources,
+        seed=seed,
+        device=torch.device(device),
+        dtype=dtype,
+        activation_checkpointing=activation_checkpointing,
+    )

@@ -21,7 +21,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' is not valid here: torch sees no CUDA device (use device=cpu or auto)")
+        raise ConfigError(
+            "device='cuda' is not valid here: torch sees no CUDA device (use device=cpu or auto)"
+        )
     if name not in ("cpu", "cuda"):
         raise ConfigError(f"device={name!r} is not valid; choose one of ['auto', 'cpu', 'cuda']")
     return torch.device(name)
@@ -38,6 +40,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def to_device(batch, device: torch.device):
     """A dataclass of tensors (a StepBatch) with every tensor field on `device` (the same object on its own)."""
-    moved = {f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
-             if isinstance(getattr(batch, f.name), torch.Tensor) and getattr(batch, f.name).device != device}
+    moved = {
+        f.name: getattr(batch, f.name).to(device)
+        for f in dataclasses.fields(batch)
+        if isinstance(getattr(batch, f.name), torch.Tensor) and getattr(batch, f.name).device != device
+    }
     return dataclasses.replace(batch, **moved) if moved else batch

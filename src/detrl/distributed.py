@@ -128,8 +128,10 @@ def check_supported(cfg) -> None:
     if cfg.rollout.partial.enabled:
         raise ConfigError("rollout.partial.enabled=true is single-process only for now; run without torchrun")
     if cfg.rollout.backend != "embedded":
-        raise ConfigError(f"rollout.backend={cfg.rollout.backend!r} is single-process only for now; "
-                          "use rollout=embedded under torchrun")
+        raise ConfigError(
+            f"rollout.backend={cfg.rollout.backend!r} is single-process only for now; "
+            "use rollout=embedded under torchrun"
+        )
 
 
 # --- FSDP2 ------------------------------------------------------------------------------------------------
@@ -156,8 +158,11 @@ def shard(*models) -> None:
         if m is None:
             continue
         p = next(m.parameters())
-        fully_shard(m, mesh=_mesh(p.device),
-                    mp_policy=MixedPrecisionPolicy(param_dtype=p.dtype, reduce_dtype=torch.float32))
+        fully_shard(
+            m,
+            mesh=_mesh(p.device),
+            mp_policy=MixedPrecisionPolicy(param_dtype=p.dtype, reduce_dtype=torch.float32),
+        )
 
 
 def is_sharded(model) -> bool:
@@ -202,6 +207,7 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 # --- the trainer's data parallelism --------------------------------------------------------------------------
+
 
 class DataParallel:
     """How `update()` spreads one mini-batch's micro-batches over ranks and reduces their gradients.
@@ -310,4 +316,6 @@ class DataParallel:
 
 
 def _flat_grads(params: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+    )

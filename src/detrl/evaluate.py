@@ -23,8 +23,14 @@ from detrl.determinism import stable_hash
 from detrl.rollout import Request
 
 GREEDY_TOP_P = 1e-9  # top-p this small keeps only the most likely token: greedy decoding
-EVAL_KEYS = ("eval/accuracy", "eval/pass_at_n", "eval/response_length/mean", "eval/clip_ratio", "eval/reward_errors",
-             "eval/num_prompts")
+EVAL_KEYS = (
+    "eval/accuracy",
+    "eval/pass_at_n",
+    "eval/response_length/mean",
+    "eval/clip_ratio",
+    "eval/reward_errors",
+    "eval/num_prompts",
+)
 
 
 class Evaluator:
@@ -32,7 +38,9 @@ class Evaluator:
         self.cfg, self.source = cfg, source
         self.task = getattr(source.task, "eval_task", None) if cfg.eval.every else None
         if cfg.eval.every and (self.task is None or len(self.task) == 0):
-            raise ConfigError("eval.every is set but there is no eval split: set data.eval_path or data.eval_fraction")
+            raise ConfigError(
+                "eval.every is set but there is no eval split: set data.eval_path or data.eval_fraction"
+            )
 
     def step(self, step: int, engine) -> dict[str, float]:
         """Metrics for this step: reward/errors always; eval/* when eval is on (NaN between evals)."""
@@ -49,25 +57,35 @@ class Evaluator:
         problems = self.task.batch(0, count)
         params = engine.params
         engine.params = dataclasses.replace(
-            params, temperature=1.0 if e.greedy else e.temperature, top_p=GREEDY_TOP_P if e.greedy else e.top_p)
+            params,
+            temperature=1.0 if e.greedy else e.temperature,
+            top_p=GREEDY_TOP_P if e.greedy else e.top_p,
+        )
         scores, lengths, clipped, per_prompt = [], [], 0, []
         self.task.pop_errors()  # count this eval's reward errors only
         try:
-            bar = tqdm(total=count, desc=f"eval@{step}", unit="prompt", leave=False, dynamic_ncols=True,
-                       disable=not distributed.is_main())  # one bar per run, not per rank
+            bar = tqdm(
+                total=count,
+                desc=f"eval@{step}",
+                unit="prompt",
+                leave=False,
+                dynamic_ncols=True,
+                disable=not distributed.is_main(),
+            )  # one bar per run, not per rank
             for lo in range(0, count, e.batch_prompts):
                 chunk = problems[lo : lo + e.batch_prompts]
                 requests = []
                 for p in chunk:
                     uid = stable_hash("eval", self.cfg.seed, p.index) & ((1 << 62) - 1)
                     ids = tuple(self.task.encode(tok, p))
-                    requests += [Request(uid, k, ids, det.eval_seed(uid, k))
-                                 for k in range(e.n)]
+                    requests += [Request(uid, k, ids, det.eval_seed(uid, k)) for k in range(e.n)]
                 results = det.order(engine.generate(requests), requests)
                 by_uid = {r.uid: r for r in results}
                 for p, i in zip(chunk, range(0, len(requests), e.n)):
                     rs = [by_uid[req.uid] for req in requests[i : i + e.n]]
-                    s = self.source.score(rs, p.answer, self.task)[1].tolist()  # the task reward, errors counted here
+                    s = self.source.score(rs, p.answer, self.task)[
+                        1
+                    ].tolist()  # the task reward, errors counted here
                     scores += s
                     per_prompt.append(max(s))
                     lengths += [len(r.tokens) for r in rs]

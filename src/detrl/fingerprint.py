@@ -29,7 +29,9 @@ import numpy as np
 import torch
 import xxhash
 
-SKETCH_DIM = 256  # numbers per sketch: the distance estimate's relative error is ~1/sqrt(2 * 256) = 4.4% (1 sd)
+SKETCH_DIM = (
+    256  # numbers per sketch: the distance estimate's relative error is ~1/sqrt(2 * 256) = 4.4% (1 sd)
+)
 FOLD = 4096  # buckets of the random-sign fold before the Gaussian projection
 SKETCH_SEED = 20261201  # fixed: every run projects with the same matrix
 DRIFT_FILE = "drift.jsonl"
@@ -55,7 +57,8 @@ def params_digest(model: torch.nn.Module | dict[str, torch.Tensor]) -> str:
     on_device = [_device_words(p) for _, p in state if p.is_cuda]
     host = iter(torch.stack(on_device).cpu().numpy() if on_device else ())
     return digest(
-        name.encode() + (next(host).tobytes() if p.is_cuda else p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        name.encode()
+        + (next(host).tobytes() if p.is_cuda else p.detach().contiguous().view(torch.uint8).numpy().tobytes())
         for name, p in state
     )
 
@@ -79,7 +82,9 @@ def _device_words(t: torch.Tensor, chunk: int = 1 << 27) -> torch.Tensor:
 
 def keyed_digest(items: Iterable[tuple[tuple[int, int], np.ndarray]]) -> str:
     """Order-independent: each (key, content) hashed as one record, the records taken in key order."""
-    return digest(struct.pack("<qq", *key) + content.tobytes() for key, content in sorted(items, key=lambda x: x[0]))
+    return digest(
+        struct.pack("<qq", *key) + content.tobytes() for key, content in sorted(items, key=lambda x: x[0])
+    )
 
 
 def rollout_fingerprints(results) -> dict[str, str]:
@@ -96,7 +101,9 @@ def rollout_fingerprints(results) -> dict[str, str]:
     return {
         "fp/batch_order": ints_digest([r.uid for r in results]),
         "fp/rollout_tokens": keyed_digest((r.uid, np.asarray(r.tokens, dtype=np.int64)) for r in results),
-        "fp/rollout_logprobs": keyed_digest((r.uid, np.asarray(r.logprobs, dtype=np.float32)) for r in results),
+        "fp/rollout_logprobs": keyed_digest(
+            (r.uid, np.asarray(r.logprobs, dtype=np.float32)) for r in results
+        ),
     }
 
 
@@ -115,7 +122,9 @@ class _Projection:
         g = torch.Generator().manual_seed(seed)
         self.numel, self.fold = numel, fold
         padded = -(-numel // fold) * fold
-        self.signs = (torch.randint(0, 2, (padded // fold, fold), generator=g) * 2 - 1).to(torch.float64).numpy()
+        self.signs = (
+            (torch.randint(0, 2, (padded // fold, fold), generator=g) * 2 - 1).to(torch.float64).numpy()
+        )
         self.gauss = (torch.randn(dim, fold, generator=g, dtype=torch.float64) / math.sqrt(dim)).numpy()
         self.buf = np.zeros(padded, dtype=np.float64)  # the flattened parameters, zero-padded
 
@@ -145,8 +154,9 @@ def _hash_signs(index: torch.Tensor, seed: int) -> torch.Tensor:
     return ((h >> 40) & 1).to(torch.float64) * 2 - 1
 
 
-def device_sketch(tensors: list[torch.Tensor], gauss: torch.Tensor, fold: int = FOLD, seed: int = SKETCH_SEED
-                  ) -> tuple[np.ndarray, float]:
+def device_sketch(
+    tensors: list[torch.Tensor], gauss: torch.Tensor, fold: int = FOLD, seed: int = SKETCH_SEED
+) -> tuple[np.ndarray, float]:
     """The parameter sketch computed where the parameters are (no host copy of the model: on a 0.6B model the
     host path copied 2.4 GB and folded it in numpy every step): the same Gaussian projection of a random-sign
     fold, with the signs hashed from each element's global index, in float64 chunks aligned to the fold, so
@@ -192,8 +202,9 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in _params(model)[1]])
 
 
-def param_sketch(model: torch.nn.Module, dim: int = SKETCH_DIM, fold: int = FOLD, seed: int = SKETCH_SEED
-                 ) -> tuple[np.ndarray, float]:
+def param_sketch(
+    model: torch.nn.Module, dim: int = SKETCH_DIM, fold: int = FOLD, seed: int = SKETCH_SEED
+) -> tuple[np.ndarray, float]:
     """(R x, ||x||) for the flattened parameters x: ||R x_a - R x_b|| ~ ||x_a - x_b|| for any two models of
     one layout (same names and sizes)."""
     layout, tensors = _params(model)
@@ -248,8 +259,12 @@ def mean_logprob_by_uid(results) -> dict[int, float]:
 def drift_step(run_dir: str | Path, step: int, model: torch.nn.Module, results) -> dict[str, float]:
     """Append this step's sketches to <run_dir>/drift.jsonl; -> {"drift/param_norm": exact L2 norm}."""
     sketch, norm = param_sketch(model)
-    record = {"step": step, "param_norm": norm, "param_sketch": sketch.tolist(),
-              "logprob_sketch": uid_sketch(mean_logprob_by_uid(results)).tolist()}
+    record = {
+        "step": step,
+        "param_norm": norm,
+        "param_sketch": sketch.tolist(),
+        "logprob_sketch": uid_sketch(mean_logprob_by_uid(results)).tolist(),
+    }
     with (Path(run_dir) / DRIFT_FILE).open("a") as f:
         f.write(json.dumps(record) + "\n")
     return {"drift/param_norm": norm}

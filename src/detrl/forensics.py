@@ -70,7 +70,9 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
 
 
 @torch.no_grad()
-def _run(model, canary: torch.Tensor, modules: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, str, list]]:
+def _run(
+    model, canary: torch.Tensor, modules: list[tuple[str, torch.nn.Module]]
+) -> list[tuple[str, str, list]]:
     """Forward the canary with hooks on `modules`; -> [(name, op type, output tensors)] in the order the
     modules finished (a module called twice appears twice, the second as `name#1`)."""
     calls: list[tuple[str, str, list]] = []
@@ -80,8 +82,14 @@ def _run(model, canary: torch.Tensor, modules: list[tuple[str, torch.nn.Module]]
         def fn(mod, args, out):
             k = seen.get(name, 0)
             seen[name] = k + 1
-            calls.append((name if k == 0 else f"{name}#{k}", type(mod).__name__,
-                          [t.detach().clone() for t in _tensors(out)]))
+            calls.append(
+                (
+                    name if k == 0 else f"{name}#{k}",
+                    type(mod).__name__,
+                    [t.detach().clone() for t in _tensors(out)],
+                )
+            )
+
         return fn
 
     handles = [mod.register_forward_hook(hook(name)) for name, mod in modules]
@@ -140,7 +148,7 @@ def _diff(name: str, op: str, a: list[torch.Tensor], b: list[torch.Tensor]) -> D
             max_abs = max(max_abs, d.abs().max().item())
         num += d.square().sum().item()
         den += x.square().sum().item()
-    rel = (num ** 0.5) / (den ** 0.5) if den > 0 else (0.0 if num == 0 else float("inf"))
+    rel = (num**0.5) / (den**0.5) if den > 0 else (0.0 if num == 0 else float("inf"))
     return Diff(name, op, max_abs, rel, False, ids)
 
 
@@ -150,13 +158,16 @@ def compare_params(sd_a: dict, sd_b: dict) -> list[Diff]:
     for name, a in sd_a.items():
         b = sd_b.get(name)
         op = f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}"
-        out.append(Diff(name, op, float("inf"), float("inf"), False) if b is None else _diff(name, op, [a], [b]))
+        out.append(
+            Diff(name, op, float("inf"), float("inf"), False) if b is None else _diff(name, op, [a], [b])
+        )
     return out
 
 
 def compare_forward(model_a, model_b, canary: torch.Tensor) -> list[Diff]:
     """The canary through both models with hooks on every module; -> one Diff per module call, in
     execution (finish) order. The root model is named '(model)'."""
+
     def named(m):
         return [(name or "(model)", mod) for name, mod in m.named_modules()]
 
@@ -180,7 +191,9 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
-    return sorted(int(p.parent.name.split("-")[1]) for p in (Path(run_dir) / "checkpoints").glob("step-*/state.pt"))
+    return sorted(
+        int(p.parent.name.split("-")[1]) for p in (Path(run_dir) / "checkpoints").glob("step-*/state.pt")
+    )
 
 
 def run_config(run_dir: Path, payload: dict | None = None) -> dict:
@@ -239,16 +252,26 @@ class Report:
         n = len(self.common_steps)
         span = f"{self.common_steps[0]}..{self.common_steps[-1]}" if n else "-"
         if not self.diverged and self.step is None and self.requested_step is None:
-            fp = f"; but fp/{{{', '.join(self.first_fp[1])}}} differ at step {self.first_fp[0]}" if self.first_fp else ""
+            fp = (
+                f"; but fp/{{{', '.join(self.first_fp[1])}}} differ at step {self.first_fp[0]}"
+                if self.first_fp
+                else ""
+            )
             return f"no divergence: fp/params equal at all {n} common steps ({span}){fp}"
         lines = []
         if self.diverged:
             agree = f"last equal step {self.last_agree}" if self.last_agree is not None else "no equal step"
-            lines.append(f"fp/params: {agree}, first differing step {self.first_differ} (of common steps {span})")
+            lines.append(
+                f"fp/params: {agree}, first differing step {self.first_differ} (of common steps {span})"
+            )
         else:
-            lines.append(f"fp/params equal at all {n} common steps ({span}); comparing step {self.requested_step} as asked (--step)")
+            lines.append(
+                f"fp/params equal at all {n} common steps ({span}); comparing step {self.requested_step} as asked (--step)"
+            )
         if self.first_fp:
-            lines.append(f"first differing fingerprint: step {self.first_fp[0]}: {', '.join(self.first_fp[1])}")
+            lines.append(
+                f"first differing fingerprint: step {self.first_fp[0]}: {', '.join(self.first_fp[1])}"
+            )
         if self.step is None:
             lines.append(self.step_note)
             return "\n".join(lines)
@@ -258,14 +281,18 @@ class Report:
         if fp_ is None:
             lines.append(f"parameters: all {len(self.params)} tensors bitwise equal")
         else:
-            lines.append(f"parameters: {ndiff} of {len(self.params)} tensors differ; first in module order: "
-                         f"{fp_.name} ({fp_.op}) max_abs={fp_.max_abs:.3e} rel_l2={fp_.rel_l2:.3e}")
+            lines.append(
+                f"parameters: {ndiff} of {len(self.params)} tensors differ; first in module order: "
+                f"{fp_.name} ({fp_.op}) max_abs={fp_.max_abs:.3e} rel_l2={fp_.rel_l2:.3e}"
+            )
         fm = self.first_module
         if fm is None:
             lines.append(f"canary {self.canary}: every module's output is bitwise equal")
         else:
-            lines.append(f"canary {self.canary}: first module whose output differs: {fm.name} ({fm.op}) "
-                         f"max_abs={fm.max_abs:.3e} rel_l2={fm.rel_l2:.3e}")
+            lines.append(
+                f"canary {self.canary}: first module whose output differs: {fm.name} ({fm.op}) "
+                f"max_abs={fm.max_abs:.3e} rel_l2={fm.rel_l2:.3e}"
+            )
         if self.modules:
             w = max(len(d.name) for d in self.modules)
             wo = max(len(d.op) for d in self.modules)
@@ -296,8 +323,15 @@ def first_divergence(run_a, run_b, step: int | None = None, canary: str = DEFAUL
     parse_canary(canary)
     rows_a, rows_b = read_metrics(run_a), read_metrics(run_b)
     steps = sorted(set(rows_a) & set(rows_b))
-    r = Report(str(run_a), str(run_b), steps, canary=canary, requested_step=step,
-               checkpoints_a=checkpoint_steps(run_a), checkpoints_b=checkpoint_steps(run_b))
+    r = Report(
+        str(run_a),
+        str(run_b),
+        steps,
+        canary=canary,
+        requested_step=step,
+        checkpoints_a=checkpoint_steps(run_a),
+        checkpoints_b=checkpoint_steps(run_b),
+    )
     r.first_fp = _first_fp(rows_a, rows_b, steps)
     for s in steps:
         if rows_a[s].get("fp/params") == rows_b[s].get("fp/params"):
@@ -308,20 +342,27 @@ def first_divergence(run_a, run_b, step: int | None = None, canary: str = DEFAUL
     both = sorted(set(r.checkpoints_a) & set(r.checkpoints_b))
     if step is not None:
         if step not in both:
-            r.step_note = (f"no checkpoint at step {step} in both runs (A has {r.checkpoints_a or 'none'}, "
-                           f"B has {r.checkpoints_b or 'none'})")
+            r.step_note = (
+                f"no checkpoint at step {step} in both runs (A has {r.checkpoints_a or 'none'}, "
+                f"B has {r.checkpoints_b or 'none'})"
+            )
             return r
         r.step, r.step_note = step, "--step"
     elif r.diverged:
         after = [s for s in both if s >= r.first_differ]
         if not after:
-            r.step_note = (f"no checkpoint at or after step {r.first_differ} in both runs (A has "
-                           f"{r.checkpoints_a or 'none'}, B has {r.checkpoints_b or 'none'}); rerun both with "
-                           f"checkpoint.every=1 checkpoint.keep_last=<at least the number of steps>")
+            r.step_note = (
+                f"no checkpoint at or after step {r.first_differ} in both runs (A has "
+                f"{r.checkpoints_a or 'none'}, B has {r.checkpoints_b or 'none'}); rerun both with "
+                f"checkpoint.every=1 checkpoint.keep_last=<at least the number of steps>"
+            )
             return r
         r.step = after[0]
-        r.step_note = ("the first differing step" if r.step == r.first_differ
-                       else f"the nearest checkpoint after the first differing step {r.first_differ}")
+        r.step_note = (
+            "the first differing step"
+            if r.step == r.first_differ
+            else f"the nearest checkpoint after the first differing step {r.first_differ}"
+        )
     else:
         return r
     model_a, sd_a = load_policy(run_a, r.step)

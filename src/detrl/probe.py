@@ -42,7 +42,9 @@ MODES = ("single", "mixed", "prefix")
 @dataclass(frozen=True)
 class Row:
     mates: str  # "fixed": the same batch every trial | "vary": new batch-mates, size and slot each trial
-    sampling: str  # "reseeded": shared stream, reseeded alike per trial | "advancing": shared stream, not reseeded
+    sampling: (
+        str  # "reseeded": shared stream, reseeded alike per trial | "advancing": shared stream, not reseeded
+    )
     #                | "seeded": per-sample seeds
     kernels: str  # "default" | "batch_invariant"
 
@@ -56,8 +58,9 @@ ROWS = {
 }
 
 
-def _batch(mode: str, target: Request, pool: list[tuple[int, ...]], size: int, rng: random.Random,
-           seeded: bool) -> tuple[list[Request], int]:
+def _batch(
+    mode: str, target: Request, pool: list[tuple[int, ...]], size: int, rng: random.Random, seeded: bool
+) -> tuple[list[Request], int]:
     """One batch of `size` holding `target` once at a random slot; -> (batch, the target's slot)."""
     if mode == "single":
         others = [target.prompt_ids] * (size - 1)
@@ -65,10 +68,18 @@ def _batch(mode: str, target: Request, pool: list[tuple[int, ...]], size: int, r
         others = [rng.choice(pool) for _ in range(size - 1)]
     else:  # prefix: the target's prompt cut short and completed with another prompt's tail
         cut = rng.randint(1, len(target.prompt_ids) - 1)
-        others = [target.prompt_ids[:cut] + rng.choice(pool)[cut:] or target.prompt_ids for _ in range(size - 1)]
-    batch = [dataclasses.replace(target, prompt_uid=target.prompt_uid + 1 + i, prompt_ids=ids,
-                                 seed=rng.getrandbits(62) if seeded else None)
-             for i, ids in enumerate(others)]
+        others = [
+            target.prompt_ids[:cut] + rng.choice(pool)[cut:] or target.prompt_ids for _ in range(size - 1)
+        ]
+    batch = [
+        dataclasses.replace(
+            target,
+            prompt_uid=target.prompt_uid + 1 + i,
+            prompt_ids=ids,
+            seed=rng.getrandbits(62) if seeded else None,
+        )
+        for i, ids in enumerate(others)
+    ]
     pos = rng.randint(0, len(batch))
     batch.insert(pos, target)
     return batch, pos
@@ -77,16 +88,30 @@ def _batch(mode: str, target: Request, pool: list[tuple[int, ...]], size: int, r
 def _engines(cfg: TrainConfig, det: Determinism, model, ctx_len: int, params, max_bs: int) -> dict:
     """One engine per kernel set, on the run's device: the default set is the `off` preset's ops for that device,
     the batch-invariant one the `on` preset's (CPU: the embedded engine, one worker; CUDA: the CUDA engine)."""
+
     def ops(kernels: str):
         return dataclasses.replace(det, sources=preset("on" if kernels == "batch_invariant" else "off")).ops
 
     if det.device.type == "cuda":
         from detrl.rollout.cuda import CudaEngine
 
-        return {k: CudaEngine(model, ops(k), ctx_len, params, seed=cfg.seed, max_batch_size=max_bs, device=det.device,
-                              dtype=det.dtype) for k in ("default", "batch_invariant")}
-    return {k: EmbeddedEngine(model, ops(k), ctx_len, params, seed=cfg.seed, num_workers=1, max_batch_size=max_bs)
-            for k in ("default", "batch_invariant")}
+        return {
+            k: CudaEngine(
+                model,
+                ops(k),
+                ctx_len,
+                params,
+                seed=cfg.seed,
+                max_batch_size=max_bs,
+                device=det.device,
+                dtype=det.dtype,
+            )
+            for k in ("default", "batch_invariant")
+        }
+    return {
+        k: EmbeddedEngine(model, ops(k), ctx_len, params, seed=cfg.seed, num_workers=1, max_batch_size=max_bs)
+        for k in ("default", "batch_invariant")
+    }
 
 
 def _reseed(engine, seed: int) -> None:
@@ -98,8 +123,9 @@ def _reseed(engine, seed: int) -> None:
         torch.cuda.manual_seed(seed)
 
 
-def probe(cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, rows: dict[str, Row] | None = None
-          ) -> dict[str, dict[str, tuple[int, int]]]:
+def probe(
+    cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, rows: dict[str, Row] | None = None
+) -> dict[str, dict[str, tuple[int, int]]]:
     """-> {row: {mode: (max distinct token outputs, max distinct token+logprob outputs)}} over the targets."""
     from detrl.determinism import stable_hash
     from detrl.trainer import build
@@ -114,7 +140,9 @@ def probe(cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, row
     try:
         for row_name, row in rows.items():
             engine = engines[row.kernels]
-            torch.use_deterministic_algorithms(row.kernels == "batch_invariant")  # the preset of the kernels: on or off
+            torch.use_deterministic_algorithms(
+                row.kernels == "batch_invariant"
+            )  # the preset of the kernels: on or off
             seeded = row.sampling == "seeded"
             out[row_name] = {}
             for mode in MODES:
@@ -125,7 +153,11 @@ def probe(cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, row
                     rng = random.Random(stable_hash("probe-mates", cfg.seed, mode, j))
                     stream_seed = stable_hash("probe-stream", cfg.seed, j)
                     _reseed(engine, stream_seed)
-                    fixed = _batch(mode, target, pool, 1 + max_bs // 2, rng, seeded) if row.mates == "fixed" else None
+                    fixed = (
+                        _batch(mode, target, pool, 1 + max_bs // 2, rng, seeded)
+                        if row.mates == "fixed"
+                        else None
+                    )
                     outs = []
                     for t in range(trials):
                         batch, pos = fixed or _batch(mode, target, pool, 1 + t % max_bs, rng, seeded)
@@ -143,17 +175,29 @@ def probe(cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, row
 
 
 def format_table(counts: dict[str, dict[str, tuple[int, int]]], trials: int, label: str = "") -> str:
-    lines = [f"| {label or 'row'} | batch-mates | sampling noise | kernels | {' | '.join(MODES)} |",
-             "|---|---|---|---|" + "---|" * len(MODES)]
-    sampling = {"reseeded": "shared stream, reseeded per trial", "advancing": "shared stream, advancing",
-                "seeded": "per-sample seeds"}
+    lines = [
+        f"| {label or 'row'} | batch-mates | sampling noise | kernels | {' | '.join(MODES)} |",
+        "|---|---|---|---|" + "---|" * len(MODES),
+    ]
+    sampling = {
+        "reseeded": "shared stream, reseeded per trial",
+        "advancing": "shared stream, advancing",
+        "seeded": "per-sample seeds",
+    }
     for name, by_mode in counts.items():
         row = ROWS.get(name)
         desc = [row.mates, sampling[row.sampling], row.kernels.replace("_", "-")] if row else ["", "", ""]
-        lines.append(f"| {name} | " + " | ".join(desc) + " | "
-                     + " | ".join(f"{by_mode[m][0]} / {by_mode[m][1]}" for m in MODES) + " |")
-    return (f"distinct outputs of a target over {trials} trials, tokens / tokens+logprobs (worst of 3 targets; "
-            "1 = deterministic)\n" + "\n".join(lines))
+        lines.append(
+            f"| {name} | "
+            + " | ".join(desc)
+            + " | "
+            + " | ".join(f"{by_mode[m][0]} / {by_mode[m][1]}" for m in MODES)
+            + " |"
+        )
+    return (
+        f"distinct outputs of a target over {trials} trials, tokens / tokens+logprobs (worst of 3 targets; "
+        "1 = deterministic)\n" + "\n".join(lines)
+    )
 
 
 register_configs()

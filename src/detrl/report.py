@@ -45,9 +45,19 @@ from detrl.analysis.findings import (  # noqa: E402
 
 COLOR = {"on": "tab:blue", "off": "tab:orange"}
 STYLE = {"off": "-", "on": "--", None: "-"}  # partial rollout
-VERDICT_COLUMNS = ["cell", "repeats", "distinct_trajectories", "first_divergence_step", "first_divergence_stage",
-                   "stages_differing_then", "param_distance_last", "reward_last", "step_time_s", "mismatch_max",
-                   "verdict"]
+VERDICT_COLUMNS = [
+    "cell",
+    "repeats",
+    "distinct_trajectories",
+    "first_divergence_step",
+    "first_divergence_stage",
+    "stages_differing_then",
+    "param_distance_last",
+    "reward_last",
+    "step_time_s",
+    "mismatch_max",
+    "verdict",
+]
 
 
 def markdown_table(df: pd.DataFrame) -> str:
@@ -82,9 +92,15 @@ def _grid(sweep: Sweep, cells=None, width: float = 4.2, height: float = 3.0):
     panels = sorted({_panel(c) for c in cells})
     ncol = min(2, len(panels)) or 1
     nrow = max(1, math.ceil(len(panels) / ncol))
-    fig, axes = plt.subplots(nrow, ncol, figsize=(max(width * ncol, 7.0), height * nrow + 1.2), sharex=True,
-                             sharey=True, squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    fig, axes = plt.subplots(
+        nrow,
+        ncol,
+        figsize=(max(width * ncol, 7.0), height * nrow + 1.2),
+        sharex=True,
+        sharey=True,
+        squeeze=False,
+    )
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     return fig, dict(zip(panels, axes.flat))
 
@@ -92,7 +108,9 @@ def _grid(sweep: Sweep, cells=None, width: float = 4.2, height: float = 3.0):
 def _legend(fig, partial: bool, modes: tuple[str, ...] = ("on", "off")) -> None:
     handles = [plt.Line2D([], [], color=COLOR[m], label=f"determinism={m}") for m in modes]
     if partial:
-        handles += [plt.Line2D([], [], color="grey", ls=STYLE[p], label=f"partial={p}") for p in ("off", "on")]
+        handles += [
+            plt.Line2D([], [], color="grey", ls=STYLE[p], label=f"partial={p}") for p in ("off", "on")
+        ]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
 
 
@@ -142,7 +160,9 @@ def fig_param_distance(sweep: Sweep):
         ax, color, ls = axes[_panel(cell)], COLOR.get(_det(cell), "grey"), STYLE.get(_partial(cell), "-")
         med = g["median"].where(g["median"] > 0, floor)
         ax.plot(g.step, med, ls, color=color, lw=1.3)
-        ax.fill_between(g.step, g["min"].clip(lower=floor), g["max"].clip(lower=floor), color=color, alpha=0.15)
+        ax.fill_between(
+            g.step, g["min"].clip(lower=floor), g["max"].clip(lower=floor), color=color, alpha=0.15
+        )
         zero = g[g["max"] == 0]
         ax.plot(zero.step, [floor] * len(zero), "o", ms=3, color=color, mfc="white" if ls == "--" else color)
     for panel, ax in axes.items():
@@ -163,8 +183,11 @@ def fig_reward(sweep: Sweep):
     f = facts(sweep)
     if s.empty:
         return _empty("reward", "no complete runs")
-    title = (reward_sentence(f).replace("; determinism=on changes", ".\ndeterminism=on changes").split("\n")[0]
-             if f.get("reward_gap_max") is not None else "Reward per step (mean and min-max over repeats)")
+    title = (
+        reward_sentence(f).replace("; determinism=on changes", ".\ndeterminism=on changes").split("\n")[0]
+        if f.get("reward_gap_max") is not None
+        else "Reward per step (mean and min-max over repeats)"
+    )
     fig, axes = _grid(sweep, sorted(s.cell.unique()))
     for cell, g in s.groupby("cell"):
         ax, color, ls = axes[_panel(cell)], COLOR.get(_det(cell), "grey"), STYLE.get(_partial(cell), "-")
@@ -185,8 +208,11 @@ def fig_verdicts(sweep: Sweep):
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(v) + 1.6))
     for i, r in v.iterrows():
         total = int(steps.get(r.cell) or sweep.runs.steps_logged.max() or 0)
-        same = int(r.first_divergence_step) - 1 if r.first_divergence_step == r.first_divergence_step \
-            and r.first_divergence_step is not None else total
+        same = (
+            int(r.first_divergence_step) - 1
+            if r.first_divergence_step == r.first_divergence_step and r.first_divergence_step is not None
+            else total
+        )
         color = COLOR.get(r.determinism, "grey")
         ax.barh(i, same, color=color, alpha=0.85, height=0.6)
         if r.verdict == "bitwise identical":
@@ -195,11 +221,15 @@ def fig_verdicts(sweep: Sweep):
             text = r.verdict
         else:
             extra = r.stages_differing_then.split("+")[1:] if isinstance(r.stages_differing_then, str) else []
-            text = (f"step {int(r.first_divergence_step)}: {r.first_divergence_stage}"
-                    + (f" (then also {', '.join(extra)})" if extra else ""))
+            text = f"step {int(r.first_divergence_step)}: {r.first_divergence_stage}" + (
+                f" (then also {', '.join(extra)})" if extra else ""
+            )
         ax.text(same + 0.3, i, text, va="center", fontsize=7)
-    ax.set_yticks(range(len(v)), [without(c, "determinism") + f"  [{d}]" for c, d in zip(v.cell, v.determinism)],
-                  fontsize=7)
+    ax.set_yticks(
+        range(len(v)),
+        [without(c, "determinism") + f"  [{d}]" for c, d in zip(v.cell, v.determinism)],
+        fontsize=7,
+    )
     ax.invert_yaxis()
     ax.set_xlim(0, max(int(steps.max() if len(steps) and steps.notna().any() else 1), 1) * 1.45)
     ax.set_xlabel("steps with every fingerprint equal across repeats")
@@ -220,9 +250,17 @@ def fig_mismatch(sweep: Sweep):
     on_max = f["on"]["mismatch_max"]
     if not off_cells:
         return _empty("trainer/rollout mismatch", "no determinism=off cells")
-    title = (f"Off: trainer and rollout logprobs of the same tokens differ by up to {f['off']['mismatch_max']:.1e} "
-             "nats" + ("; on: exactly 0 at every step (true on-policy)" if on_max == 0 else
-                       f"; on: up to {on_max:.1e}" if on_max is not None else ""))
+    title = (
+        f"Off: trainer and rollout logprobs of the same tokens differ by up to {f['off']['mismatch_max']:.1e} "
+        "nats"
+        + (
+            "; on: exactly 0 at every step (true on-policy)"
+            if on_max == 0
+            else f"; on: up to {on_max:.1e}"
+            if on_max is not None
+            else ""
+        )
+    )
     fig, axes = _grid(sweep, off_cells)
     for cell in off_cells:
         g = s[s.cell == cell]
@@ -264,8 +302,13 @@ def fig_cost(sweep: Sweep):
             ax.plot([x] * len(sel), sel["timing_s/step"], "k.", ms=3)
         if len(times) == 2:
             top = per_run[per_run.setting == setting]["timing_s/step"].max()
-            ax.text(i, max(top, *times.values()) * 1.04, f"on/off {times['on'] / times['off']:.2f}x", ha="center",
-                    fontsize=7)
+            ax.text(
+                i,
+                max(top, *times.values()) * 1.04,
+                f"on/off {times['on'] / times['off']:.2f}x",
+                ha="center",
+                fontsize=7,
+            )
     ax.set_xticks(range(len(settings)), [s.replace(",", "\n") for s in settings], fontsize=7)
     ax.set_ylim(0, per_run["timing_s/step"].max() * 1.12)
     ax.set_ylabel("median step time per run (s)")
@@ -284,8 +327,13 @@ def fig_ablation(sweep: Sweep):
     if t.empty:
         return _empty("source ablation", "no ablation= cells in this sweep")
     settings = sorted(t.setting.unique())
-    fig, axes = plt.subplots(1, len(settings), figsize=(6.2 * len(settings), 0.3 * t.groupby("setting").size().max()
-                                                        + 1.8), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        len(settings),
+        figsize=(6.2 * len(settings), 0.3 * t.groupby("setting").size().max() + 1.8),
+        sharex=True,
+        squeeze=False,
+    )
     top = float(t.reward_spread_hi.max() or 0) or 1.0
     for ax, setting in zip(axes.flat, settings):
         g = t[t.setting == setting].reset_index(drop=True)
@@ -295,17 +343,29 @@ def fig_ablation(sweep: Sweep):
             if not r.reward_spread:  # exactly 0: a mark on the axis
                 ax.plot(0, i, "o", ms=4, color=color, clip_on=False)
             if r.reward_spread:
-                ax.errorbar(r.reward_spread, i, xerr=[[r.reward_spread - r.reward_spread_lo],
-                                                       [r.reward_spread_hi - r.reward_spread]],
-                            fmt="none", ecolor="black", lw=0.8, capsize=2)
+                ax.errorbar(
+                    r.reward_spread,
+                    i,
+                    xerr=[[r.reward_spread - r.reward_spread_lo], [r.reward_spread_hi - r.reward_spread]],
+                    fmt="none",
+                    ecolor="black",
+                    lw=0.8,
+                    capsize=2,
+                )
             if r.reproducible is None:
                 text = "fewer than 2 complete repeats"
             else:
-                text = "bitwise repeats" if r.reproducible else \
-                    f"diverge at step {int(r.first_divergence_step)} ({r.first_divergence_stage})"
+                text = (
+                    "bitwise repeats"
+                    if r.reproducible
+                    else f"diverge at step {int(r.first_divergence_step)} ({r.first_divergence_stage})"
+                )
             if isinstance(r.differs_from_all_on, str):
-                text += "; = all-on" if r.differs_from_all_on.startswith("no") else \
-                    f"; vs all-on: {r.differs_from_all_on}"
+                text += (
+                    "; = all-on"
+                    if r.differs_from_all_on.startswith("no")
+                    else f"; vs all-on: {r.differs_from_all_on}"
+                )
             ax.text(max(r.reward_spread_hi or 0, 0) + top * 0.02, i, text, va="center", fontsize=7)
         ax.set_yticks(range(len(g)), g.ablation, fontsize=7)
         ax.invert_yaxis()
@@ -313,18 +373,38 @@ def fig_ablation(sweep: Sweep):
         ax.set_xlabel("reward std across repeats (mean over steps)")
         ax.set_xlim(0, top * 1.7)
         ax.grid(alpha=0.3, axis="x")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOR["on"], label="repeats bitwise identical"),
-               plt.Rectangle((0, 0), 1, 1, color=COLOR["off"], label="repeats diverge")]
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=COLOR["on"], label="repeats bitwise identical"),
+        plt.Rectangle((0, 0), 1, 1, color=COLOR["off"], label="repeats diverge"),
+    ]
     fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, frameon=False)
     _finish(fig, ablation_title(t))
     return fig
 
 
-FIGURES = {"distance": fig_param_distance, "reward": fig_reward, "verdicts": fig_verdicts,
-           "mismatch": fig_mismatch, "cost": fig_cost}
-ABLATION_COLUMNS = ["ablation", "kind", "repeats", "reproducible", "first_divergence_step", "first_divergence_stage",
-                    "differs_from_all_on", "reward_spread", "reward_spread_lo", "reward_spread_hi", "reward_drift",
-                    "reward_last", "param_distance_last", "mismatch_max"]
+FIGURES = {
+    "distance": fig_param_distance,
+    "reward": fig_reward,
+    "verdicts": fig_verdicts,
+    "mismatch": fig_mismatch,
+    "cost": fig_cost,
+}
+ABLATION_COLUMNS = [
+    "ablation",
+    "kind",
+    "repeats",
+    "reproducible",
+    "first_divergence_step",
+    "first_divergence_stage",
+    "differs_from_all_on",
+    "reward_spread",
+    "reward_spread_lo",
+    "reward_spread_hi",
+    "reward_drift",
+    "reward_last",
+    "param_distance_last",
+    "mismatch_max",
+]
 
 
 def figures_for(sweep: Sweep) -> dict:
@@ -340,14 +420,19 @@ def ablation_markdown(sweep: Sweep) -> list[str]:
     t = ablation_table(sweep)
     if t.empty:
         return []
-    md = ["## Which source causes divergence, at which step, and how far the reward curves drift", "",
-          " ".join(ablation_findings(t)), "",
-          "Cells (conf/ablation/): `no_<source>` = determinism=on with that source alone released; `only_<source>` "
-          "= determinism=off with it alone pinned; the cut is read under partial rollout against "
-          "`all_on_partial` / `all_off_partial`. `reward_spread` = the standard deviation of the reward across "
-          "repeats at each step, averaged over steps (exactly 0 when the repeats are identical), with its 95% "
-          "bootstrap interval over steps; `reward_drift` = the mean over steps of |cell mean reward - all-on's|; "
-          "`differs_from_all_on` = where a leave-one-out cell's first repeat first differs from all-on's.", ""]
+    md = [
+        "## Which source causes divergence, at which step, and how far the reward curves drift",
+        "",
+        " ".join(ablation_findings(t)),
+        "",
+        "Cells (conf/ablation/): `no_<source>` = determinism=on with that source alone released; `only_<source>` "
+        "= determinism=off with it alone pinned; the cut is read under partial rollout against "
+        "`all_on_partial` / `all_off_partial`. `reward_spread` = the standard deviation of the reward across "
+        "repeats at each step, averaged over steps (exactly 0 when the repeats are identical), with its 95% "
+        "bootstrap interval over steps; `reward_drift` = the mean over steps of |cell mean reward - all-on's|; "
+        "`differs_from_all_on` = where a leave-one-out cell's first repeat first differs from all-on's.",
+        "",
+    ]
     for setting, g in t.groupby("setting", sort=True):
         md += [f"### {setting}", "", markdown_table(g[ABLATION_COLUMNS]), ""]
     return md + ["![ablation](ablation.png)", ""]
@@ -356,31 +441,54 @@ def ablation_markdown(sweep: Sweep) -> list[str]:
 def summary_markdown(sweep: Sweep, name: str) -> str:
     v = verdicts(sweep)
     incomplete = sweep.runs[sweep.runs.status != "complete"]
-    md = [f"# Nondeterminism report: `{name}`", "", " ".join(findings(sweep)), "",
-          f"{len(sweep.runs)} runs in {v.shape[0]} cells; {len(incomplete)} incomplete; source: {sweep.source}. "
-          "First divergence = the first step where any two repeats differ, and the first differing stage there "
-          "in pipeline order (order -> tokens -> logprobs -> params); `stages_differing_then` lists every stage "
-          "that differs at that step. `param_distance_last` = median L2 distance between repeats' parameters at "
-          "the last step (from the drift sketches; exactly 0 where fp/params is equal).", "",
-          markdown_table(v[VERDICT_COLUMNS]), ""]
+    md = [
+        f"# Nondeterminism report: `{name}`",
+        "",
+        " ".join(findings(sweep)),
+        "",
+        f"{len(sweep.runs)} runs in {v.shape[0]} cells; {len(incomplete)} incomplete; source: {sweep.source}. "
+        "First divergence = the first step where any two repeats differ, and the first differing stage there "
+        "in pipeline order (order -> tokens -> logprobs -> params); `stages_differing_then` lists every stage "
+        "that differs at that step. `param_distance_last` = median L2 distance between repeats' parameters at "
+        "the last step (from the drift sketches; exactly 0 where fp/params is equal).",
+        "",
+        markdown_table(v[VERDICT_COLUMNS]),
+        "",
+    ]
     pairs = pair_divergences(sweep)
     if len(pairs):
         by = pairs.groupby("stages").param_distance.agg(["count", "min", "median", "max"]).reset_index()
-        by = by.sort_values("median").rename(columns={"stages": "stages differing at the first divergence",
-                                                      "count": "pairs", "min": "distance min",
-                                                      "median": "distance median", "max": "distance max"})
-        md += ["Pairs of repeats by what differs at their first differing step, with their parameter L2 distance "
-               "at that step (a difference in params alone = the trainer; order + params = a pure reordering; "
-               "tokens = the engine sampled other tokens):", "", markdown_table(by), ""]
+        by = by.sort_values("median").rename(
+            columns={
+                "stages": "stages differing at the first divergence",
+                "count": "pairs",
+                "min": "distance min",
+                "median": "distance median",
+                "max": "distance max",
+            }
+        )
+        md += [
+            "Pairs of repeats by what differs at their first differing step, with their parameter L2 distance "
+            "at that step (a difference in params alone = the trainer; order + params = a pure reordering; "
+            "tokens = the engine sampled other tokens):",
+            "",
+            markdown_table(by),
+            "",
+        ]
     if len(incomplete):
-        md += ["Incomplete runs: " + ", ".join(f"`{r}` ({n} steps)" for r, n in
-                                              zip(incomplete.run, incomplete.steps_logged)), ""]
+        md += [
+            "Incomplete runs: "
+            + ", ".join(f"`{r}` ({n} steps)" for r, n in zip(incomplete.run, incomplete.steps_logged)),
+            "",
+        ]
     md += ablation_markdown(sweep)
     md += [f"![{n}]({n}.png)" for n in figures_for(sweep) if n != "ablation"]
     return "\n".join(md) + "\n"
 
 
-def render(sweep_dir: str | Path | None, out: str | Path | None = None, wandb_path: str | None = None) -> Path:
+def render(
+    sweep_dir: str | Path | None, out: str | Path | None = None, wandb_path: str | None = None
+) -> Path:
     """Write <out>/<figure>.png for each of FIGURES and <out>/summary.md; returns out."""
     sweep = load_sweep(sweep_dir, wandb_path=wandb_path)
     out = Path(out) if out else Path(sweep_dir or ".") / "report"
@@ -397,8 +505,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m detrl.report", description=__doc__.splitlines()[0])
     ap.add_argument("sweep_dir", nargs="?", default=None)
     ap.add_argument("--out", default=None, help="output dir (default: SWEEP_DIR/report)")
-    ap.add_argument("--wandb", default=None, metavar="ENTITY/PROJECT/GROUP",
-                    help="read the runs from W&B (falls back to SWEEP_DIR when W&B does not answer)")
+    ap.add_argument(
+        "--wandb",
+        default=None,
+        metavar="ENTITY/PROJECT/GROUP",
+        help="read the runs from W&B (falls back to SWEEP_DIR when W&B does not answer)",
+    )
     args = ap.parse_args(argv)
     if not args.sweep_dir and not args.wandb:
         ap.error("give SWEEP_DIR, --wandb, or both")

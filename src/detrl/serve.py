@@ -66,7 +66,9 @@ def load_weights_from_disk(model: torch.nn.Module, model_path: str) -> None:
     path = Path(model_path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
-        raise ValueError(f"Failed to get weights iterator: Cannot find any model weights with `{model_path}`.")
+        raise ValueError(
+            f"Failed to get weights iterator: Cannot find any model weights with `{model_path}`."
+        )
     # named_parameters() lists a tied storage once, under its first name (model.embed_tokens.weight): the
     # lm_head of a tied model is no parameter of its own in SGLang's Qwen3 (models/qwen3.py Qwen3ForCausalLM)
     params = dict(model.named_parameters())
@@ -131,8 +133,16 @@ def _abort_reason(message: str) -> dict[str, Any]:
 class Server:
     """The state SGLang's TokenizerManager and Scheduler hold, over one embedded engine."""
 
-    def __init__(self, engine: EmbeddedEngine, model_path: str, deterministic: bool, random_seed: int,
-                 ctx_len: int, dtype: str = "float32", argv: list[str] | None = None):
+    def __init__(
+        self,
+        engine: EmbeddedEngine,
+        model_path: str,
+        deterministic: bool,
+        random_seed: int,
+        ctx_len: int,
+        dtype: str = "float32",
+        argv: list[str] | None = None,
+    ):
         self.engine, self.model_path, self.deterministic = engine, model_path, deterministic
         self.random_seed, self.ctx_len, self.dtype, self.argv = random_seed, ctx_len, dtype, list(argv or [])
         self.cond = threading.Condition()
@@ -201,14 +211,17 @@ class Server:
     def _validate(self, it: _Item) -> None:
         """managers/tokenizer_manager.py `_validate_one_request` (no auto-truncate)."""
         if len(it.prompt) >= self.ctx_len:
-            raise _value_error(f"The input ({len(it.prompt)} tokens) is longer than the model's context length "
-                               f"({self.ctx_len} tokens).")
+            raise _value_error(
+                f"The input ({len(it.prompt)} tokens) is longer than the model's context length "
+                f"({self.ctx_len} tokens)."
+            )
         if it.max_new + len(it.prompt) > self.ctx_len:
             raise _value_error(
                 f"Requested token count exceeds the model's maximum context length of {self.ctx_len} tokens. "
                 f"You requested a total of {it.max_new + len(it.prompt)} tokens: {len(it.prompt)} tokens from the "
                 f"input messages and {it.max_new} tokens for the completion. Please reduce the number of tokens "
-                f"in the input messages or the completion to fit within the limit.")
+                f"in the input messages or the completion to fit within the limit."
+            )
         if it.max_new < 0:
             raise _value_error(f"max_new_tokens must be at least 0, got {it.max_new}.")
 
@@ -222,8 +235,12 @@ class Server:
         """Run until every item is finished: interrupted batches (pause, another rid's abort) continue."""
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: not self.paused or all(it.finish is not None or it.aborted is not None
-                                                                  for it in items))
+                self.cond.wait_for(
+                    lambda: (
+                        not self.paused
+                        or all(it.finish is not None or it.aborted is not None for it in items)
+                    )
+                )
                 self._settle_aborted(items)
                 if all(it.finish is not None for it in items):
                     return
@@ -268,11 +285,15 @@ class Server:
             cap = max(it.max_new for it in group)
             fits = max(len(it.prompt) for it in group) + cap <= self.ctx_len
             for part in [group] if fits else [[it] for it in group]:  # each item fits on its own (_validate)
-                self._engine_pass(part, SamplingParams(temperature, top_p, max(it.max_new for it in part), stops))
+                self._engine_pass(
+                    part, SamplingParams(temperature, top_p, max(it.max_new for it in part), stops)
+                )
 
     def _engine_pass(self, part: list[_Item], params: SamplingParams) -> None:
-        reqs = [Request(i, 0, it.prompt, it.seed, tuple(it.tokens), it.max_new - len(it.tokens))
-                for i, it in enumerate(part)]
+        reqs = [
+            Request(i, 0, it.prompt, it.seed, tuple(it.tokens), it.max_new - len(it.tokens))
+            for i, it in enumerate(part)
+        ]
         self.engine.params = params
         for r in self.engine.generate(reqs):
             it = part[r.request.prompt_uid]
@@ -285,9 +306,14 @@ class Server:
 
     def _output(self, it: _Item) -> dict[str, Any]:
         """managers/tokenizer_manager.py `_handle_batch_output` (meta_info) with return_logprob's output_token_logprobs."""
-        meta: dict[str, Any] = {"id": it.rid, "finish_reason": it.finish, "prompt_tokens": len(it.prompt),
-                                "weight_version": self.weight_version, "num_retractions": it.retractions,
-                                "completion_tokens": len(it.tokens)}
+        meta: dict[str, Any] = {
+            "id": it.rid,
+            "finish_reason": it.finish,
+            "prompt_tokens": len(it.prompt),
+            "weight_version": self.weight_version,
+            "num_retractions": it.retractions,
+            "completion_tokens": len(it.tokens),
+        }
         if it.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(it.logprobs, it.tokens)]
         return {"text": "", "output_ids": list(it.tokens), "meta_info": meta}
@@ -307,11 +333,19 @@ class Server:
         with self.cond:
             if not abort_all and (not rid or rid not in self.rid_to_state):
                 return
-            hit = [it for it in self.rid_to_state.values() if it.finish is None
-                   and it.stage in ("queued", "running", "held") and (abort_all or it.rid.startswith(rid))]
+            hit = [
+                it
+                for it in self.rid_to_state.values()
+                if it.finish is None
+                and it.stage in ("queued", "running", "held")
+                and (abort_all or it.rid.startswith(rid))
+            ]
             for it in hit:
-                it.aborted = ("Aborted" if it.stage == "running" or (it.stage == "held" and self.pause_mode == "in_place")
-                              else "Abort in waiting queue")
+                it.aborted = (
+                    "Aborted"
+                    if it.stage == "running" or (it.stage == "held" and self.pause_mode == "in_place")
+                    else "Abort in waiting queue"
+                )
             if any(it.stage == "running" for it in hit):
                 self._interrupt_running()
             self.cond.notify_all()
@@ -336,9 +370,14 @@ class Server:
         """scheduler.py flush_cache: refused while requests run or wait (waiting ignored when paused)."""
         with self.cond:
             busy = [it for it in self.rid_to_state.values() if it.stage in ("queued", "running", "held")]
-            if self.paused:  # is_fully_idle(ignore_waiting=paused): only in_place-held requests stay "running"
-                busy = [it for it in busy if it.stage == "running"
-                        or (it.stage == "held" and self.pause_mode == "in_place")]
+            if (
+                self.paused
+            ):  # is_fully_idle(ignore_waiting=paused): only in_place-held requests stay "running"
+                busy = [
+                    it
+                    for it in busy
+                    if it.stage == "running" or (it.stage == "held" and self.pause_mode == "in_place")
+                ]
             return not busy
 
     def update_weights_from_disk(self, body: dict[str, Any]) -> tuple[bool, str]:
@@ -360,9 +399,14 @@ class Server:
             if body.get("weight_version") is not None:
                 self.weight_version = str(body["weight_version"])
             if body.get("flush_cache", True) and not self.flush_cache():
-                success, message = False, ("Weights were updated, but the cache was not flushed because requests "
-                                           "are still running or queued. Retract or finish them, then call "
-                                           "/flush_cache.")
+                success, message = (
+                    False,
+                    (
+                        "Weights were updated, but the cache was not flushed because requests "
+                        "are still running or queued. Retract or finish them, then call "
+                        "/flush_cache."
+                    ),
+                )
             elif body.get("weight_version") is not None:
                 message += f" Weight version updated to {body['weight_version']}."
         return success, message
@@ -372,20 +416,36 @@ class Server:
         + scheduler info + startup_time, internal_states, version. Only the fields below are reported; each is a
         ServerArgs field name (checked by tests/test_sglang_contract.py)."""
         return {
-            "model_path": self.model_path, "tokenizer_path": self.model_path, "dtype": self.dtype,
-            "random_seed": self.random_seed, "enable_deterministic_inference": self.deterministic,
-            "context_length": self.ctx_len, "tp_size": 1, "dp_size": 1, "attention_backend": None,
-            "sampling_backend": None, "weight_version": "default", "skip_tokenizer_init": True,
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "dtype": self.dtype,
+            "random_seed": self.random_seed,
+            "enable_deterministic_inference": self.deterministic,
+            "context_length": self.ctx_len,
+            "tp_size": 1,
+            "dp_size": 1,
+            "attention_backend": None,
+            "sampling_backend": None,
+            "weight_version": "default",
+            "skip_tokenizer_init": True,
             "launch_command": " ".join(["python", "-m", "detrl.serve", *self.argv]),
-            "internal_states": [{}], "version": SGLANG_VERSION, "frontend": "detrl.serve",
+            "internal_states": [{}],
+            "version": SGLANG_VERSION,
+            "frontend": "detrl.serve",
         }
 
     def model_info(self) -> dict[str, Any]:
         """entrypoints/http_server.py `model_info` (a subset)."""
         cfg = self.engine.model.config
-        return {"model_path": self.model_path, "served_model_name": self.model_path,
-                "tokenizer_path": self.model_path, "is_generation": True, "weight_version": self.weight_version,
-                "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None)}
+        return {
+            "model_path": self.model_path,
+            "served_model_name": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "weight_version": self.weight_version,
+            "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None),
+        }
 
     def health(self) -> None:
         """http_server.py health_generate: a 1-token request, answered at once if something is running."""
@@ -418,17 +478,21 @@ def make_app(server: Server):
         def run():
             ok, message = server.update_weights_from_disk(body)
             # http_server.py update_weights_from_disk: 200 or 400, the same JSON
-            return JSONResponse({"success": ok, "message": message, "num_paused_requests": 0},
-                                status_code=200 if ok else 400)
+            return JSONResponse(
+                {"success": ok, "message": message, "num_paused_requests": 0}, status_code=200 if ok else 400
+            )
+
         return answer(run)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     def flush_cache(timeout: float = 0.0):
         # http_server.py flush_cache: plain text, 200 or 400
         if server.flush_cache():
-            return Response(content="Cache flushed.\nPlease check backend logs for more details. (When there are "
-                                    "running or waiting requests, the operation will not be performed.)\n",
-                            status_code=200)
+            return Response(
+                content="Cache flushed.\nPlease check backend logs for more details. (When there are "
+                "running or waiting requests, the operation will not be performed.)\n",
+                status_code=200,
+            )
         return Response(content="Flush cache failed.\n", status_code=400)
 
     @app.post("/abort_request")
@@ -441,7 +505,9 @@ def make_app(server: Server):
     def pause_generation(body: dict[str, Any]):
         mode = body.get("mode", "abort")
         if mode not in PAUSE_MODES:
-            return JSONResponse({"detail": f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}"}, status_code=422)
+            return JSONResponse(
+                {"detail": f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}"}, status_code=422
+            )
         server.pause(mode)
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -471,15 +537,28 @@ def make_app(server: Server):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m detrl.serve", description=__doc__.splitlines()[0])
-    ap.add_argument("--model-path", default=None, help="Hugging Face checkpoint dir (default: a fresh tiny Qwen3)")
-    ap.add_argument("--model", default="qwen3", choices=["qwen3", "qwen3_moe"], help="architecture without --model-path")
+    ap.add_argument(
+        "--model-path", default=None, help="Hugging Face checkpoint dir (default: a fresh tiny Qwen3)"
+    )
+    ap.add_argument(
+        "--model", default="qwen3", choices=["qwen3", "qwen3_moe"], help="architecture without --model-path"
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--deterministic", "--enable-deterministic-inference", dest="deterministic", action="store_true",
-                    help="batch-invariant kernels, fixed routing, sampling_seed honoured (42 when absent)")
+    ap.add_argument(
+        "--deterministic",
+        "--enable-deterministic-inference",
+        dest="deterministic",
+        action="store_true",
+        help="batch-invariant kernels, fixed routing, sampling_seed honoured (42 when absent)",
+    )
     ap.add_argument("--random-seed", type=int, default=0)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float"],
-                    help="served dtype (the embedded engine computes in float32 only)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float"],
+        help="served dtype (the embedded engine computes in float32 only)",
+    )
     ap.add_argument("--ctx-len", type=int, default=16, help="fixed key length (must match the trainer's)")
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--num-workers", type=int, default=2)
@@ -490,12 +569,26 @@ def main(argv: list[str] | None = None) -> None:
     det = setup(args.deterministic, args.random_seed)
     cfg = ModelConfig(name=args.model, path=args.model_path)
     model = build_model(cfg, seed=args.random_seed)
-    engine = EmbeddedEngine(model, det.ops, args.ctx_len, SamplingParams(max_new_tokens=args.max_new_tokens),
-                            seed=args.random_seed, num_workers=args.num_workers, max_batch_size=args.max_batch_size,
-                            fixed_routing=det.fixed_routing)
+    engine = EmbeddedEngine(
+        model,
+        det.ops,
+        args.ctx_len,
+        SamplingParams(max_new_tokens=args.max_new_tokens),
+        seed=args.random_seed,
+        num_workers=args.num_workers,
+        max_batch_size=args.max_batch_size,
+        fixed_routing=det.fixed_routing,
+    )
     torch.set_grad_enabled(False)
-    server = Server(engine, args.model_path or f"<fresh {args.model}>", args.deterministic, args.random_seed,
-                    args.ctx_len, "float32", argv=sys.argv[1:] if argv is None else argv)
+    server = Server(
+        engine,
+        args.model_path or f"<fresh {args.model}>",
+        args.deterministic,
+        args.random_seed,
+        args.ctx_len,
+        "float32",
+        argv=sys.argv[1:] if argv is None else argv,
+    )
     uvicorn.run(make_app(server), host=args.host, port=args.port, log_level="warning")
 
 

@@ -11,9 +11,18 @@ from detrl.config import LoggerConfig
 
 
 class Tracker:
-    def __init__(self, run_dir: Path, cfg: LoggerConfig, run_name: str, group: str, config: dict[str, Any],
-                 tags: list[str] | None = None, job_type: str | None = None, run_id: str | None = None,
-                 resume_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: LoggerConfig,
+        run_name: str,
+        group: str,
+        config: dict[str, Any],
+        tags: list[str] | None = None,
+        job_type: str | None = None,
+        run_id: str | None = None,
+        resume_step: int | None = None,
+    ):
         from detrl.distributed import is_main
 
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -28,12 +37,23 @@ class Tracker:
             # a resumed run continues the same W&B run, rewound to its checkpoint's step (W&B's resume_from),
             # as metrics.jsonl is truncated to it: the steps the killed run logged after its last checkpoint
             # are logged again by this run and must replace, not follow, the old ones
-            where = (dict(resume_from=f"{run_id}?_step={resume_step}") if resume_step is not None
-                     else dict(id=run_id, resume="allow" if run_id else None))
+            where = (
+                dict(resume_from=f"{run_id}?_step={resume_step}")
+                if resume_step is not None
+                else dict(id=run_id, resume="allow" if run_id else None)
+            )
             self.wandb_run = wandb.init(
-                project=cfg.project, entity=cfg.entity, group=cfg.group or group, name=run_name,
-                tags=list(cfg.tags) + list(tags or []), config=config, dir=str(run_dir), mode=mode,
-                job_type=job_type or run_name, settings=wandb.Settings(silent=True, console="off"), **where,
+                project=cfg.project,
+                entity=cfg.entity,
+                group=cfg.group or group,
+                name=run_name,
+                tags=list(cfg.tags) + list(tags or []),
+                config=config,
+                dir=str(run_dir),
+                mode=mode,
+                job_type=job_type or run_name,
+                settings=wandb.Settings(silent=True, console="off"),
+                **where,
             )
             # the drift sketches (drift.jsonl) travel with the run, so distances can be computed from W&B
             self.wandb_run.save(str(Path(run_dir) / "drift.jsonl"), base_path=str(run_dir), policy="end")

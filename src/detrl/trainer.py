@@ -75,8 +75,19 @@ def load_policy(cfg: TrainConfig, tokenizer, task, ctx_len: int) -> torch.nn.Mod
     return build_model(cfg.model, seed=cfg.seed)
 
 
-def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: TrainConfig, ops, ctx_len, rope,
-           version: int, dp: distributed.DataParallel | None = None):
+def update(
+    model,
+    ref_model,
+    opt,
+    batch: StepBatch,
+    adv: torch.Tensor,
+    cfg: TrainConfig,
+    ops,
+    ctx_len,
+    rope,
+    version: int,
+    dp: distributed.DataParallel | None = None,
+):
     """PPO-style update of one rollout batch, as verl's actor (compute_log_prob, then update_policy). -> metrics.
 
     1. Old logprobs: one no-grad pass of the policy before any update (verl's old_log_prob), with the
@@ -105,7 +116,9 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
     old_trainer, ref_logp = torch.zeros_like(batch.mask), None
     ent = torch.zeros_like(batch.mask)
     recorded = batch.routed_experts  # [N, L-1, layers, k] or None
-    agree = None if recorded is None else torch.zeros_like(batch.mask)  # per token: fraction of layers agreeing
+    agree = (
+        None if recorded is None else torch.zeros_like(batch.mask)
+    )  # per token: fraction of layers agreeing
 
     def replayed(sl):  # the expert ids the trainer's passes must use (routing replay), or None
         return recorded[sl].long() if a.routing_replay else None
@@ -119,8 +132,18 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
         for sl in mine:
             ids, mask = batch.input_ids[sl], batch.mask[sl]
             if not reuse:
-                out = sequence_logprobs(model, ids, mask, ops, ctx_len, rope, temp, entropy=True, experts=replayed(sl),
-                                        routes=agree is not None)  # the router's own ids only when there are some
+                out = sequence_logprobs(
+                    model,
+                    ids,
+                    mask,
+                    ops,
+                    ctx_len,
+                    rope,
+                    temp,
+                    entropy=True,
+                    experts=replayed(sl),
+                    routes=agree is not None,
+                )  # the router's own ids only when there are some
                 old_trainer[sl], ent[sl] = out[:2]
                 if agree is not None:
                     agree[sl] = layer_agreement(out[2], recorded[sl])
@@ -129,48 +152,82 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
     if not reuse:
         old_trainer, ent, agree = dp.gather_rows([old_trainer, ent, agree], mine)
     ref_logp = dp.gather_rows([ref_logp], mine)[0]
-    old, train_mask = old_logprobs(stale_mode, old_trainer, batch.rollout_logp, fresh, batch.mask)  # reuse: per micro-batch
+    old, train_mask = old_logprobs(
+        stale_mode, old_trainer, batch.rollout_logp, fresh, batch.mask
+    )  # reuse: per micro-batch
     # trainer/rollout mismatch correction (TIS / MIS), weights on the policy loss; ones under determinism=on
-    corr_w, _, corr_metrics = rollout_correction(old, batch.rollout_logp, train_mask, a.rollout_correction,
-                                                 **vars(a.rollout_corr))
+    corr_w, _, corr_metrics = rollout_correction(
+        old, batch.rollout_logp, train_mask, a.rollout_correction, **vars(a.rollout_corr)
+    )
     # --- 2. mini-batches x epochs, one optimizer step each
     per_mini = (a.ppo_mini_batch_size or cfg.train_batch_size) * cfg.rollout.n
     lsf = a.loss_scale_factor or cfg.rollout.max_new_tokens
-    per_step: dict[str, list[float]] = {k: [] for k in ("pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower",
-                                                        "ppo_kl", "grad_norm")}
+    per_step: dict[str, list[float]] = {
+        k: [] for k in ("pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "grad_norm")
+    }
     for _ in range(a.ppo_epochs):
         for start in range(0, n, per_mini):
             stop = min(start + per_mini, n)
             tokens = train_mask[start:stop].sum()
             # global denominators (every rank holds the whole batch); dp_size as verl's agg_loss
-            agg = dict(mode=a.loss_agg_mode, batch_num_tokens=tokens, global_batch_size=stop - start,
-                       loss_scale_factor=lsf, dp_size=dp.loss_scale)
+            agg = dict(
+                mode=a.loss_agg_mode,
+                batch_num_tokens=tokens,
+                global_batch_size=stop - start,
+                loss_scale_factor=lsf,
+                dp_size=dp.loss_scale,
+            )
             sums = dict.fromkeys(["pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"], 0.0)
             records = []  # per micro-batch (key, metrics), summed in global micro-batch order below
             opt.zero_grad(set_to_none=True)
             distributed.unshard(model)  # FSDP2: the full weights for the functional forward (else a no-op)
             for key, sl in dp.micro_batches(start, stop, mb):
                 mask = train_mask[sl]
-                if reuse:  # this micro-batch's old logprobs: its own, detached (the weights have not moved yet),
+                if (
+                    reuse
+                ):  # this micro-batch's old logprobs: its own, detached (the weights have not moved yet),
                     # over every response token (metrics); without gradients where no token trains (as recompute)
                     with contextlib.nullcontext() if mask.any() else torch.no_grad():
-                        out = sequence_logprobs(model, batch.input_ids[sl], batch.mask[sl], ops, ctx_len, rope, temp,
-                                                entropy=True, experts=replayed(sl), routes=agree is not None)
+                        out = sequence_logprobs(
+                            model,
+                            batch.input_ids[sl],
+                            batch.mask[sl],
+                            ops,
+                            ctx_len,
+                            rope,
+                            temp,
+                            entropy=True,
+                            experts=replayed(sl),
+                            routes=agree is not None,
+                        )
                     logp, ent_g = out[:2]
                     old_trainer[sl], ent[sl] = logp.detach(), ent_g.detach()
                     if agree is not None:
                         agree[sl] = layer_agreement(out[2], recorded[sl])
-                    old[sl] = old_logprobs(stale_mode, old_trainer[sl], batch.rollout_logp[sl], fresh[sl],
-                                           batch.mask[sl])[0]
+                    old[sl] = old_logprobs(
+                        stale_mode, old_trainer[sl], batch.rollout_logp[sl], fresh[sl], batch.mask[sl]
+                    )[0]
                 if not mask.any():
                     continue
                 if not reuse:
-                    logp, ent_g = sequence_logprobs(model, batch.input_ids[sl], mask, ops, ctx_len, rope, temp,
-                                                    entropy=bool(a.entropy_coeff), experts=replayed(sl))
+                    logp, ent_g = sequence_logprobs(
+                        model,
+                        batch.input_ids[sl],
+                        mask,
+                        ops,
+                        ctx_len,
+                        rope,
+                        temp,
+                        entropy=bool(a.entropy_coeff),
+                        experts=replayed(sl),
+                    )
                 tok_adv = adv[sl, None].expand_as(logp)  # [n, L-1]
-                pg, m = compute_policy_loss(logp, old[sl], tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high,
-                                            a.clip_ratio_c)
-                pg = pg * corr_w[sl]  # MIS's dropped tokens weigh 0 and still count in the denominators (IcePop)
+                pg, m = compute_policy_loss(
+                    logp, old[sl], tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c
+                )
+                pg = (
+                    pg * corr_w[sl]
+                )  # MIS's dropped tokens weigh 0 and still count in the denominators (IcePop)
                 loss = agg_loss(pg, mask, **agg)
                 rec = {"pg_loss": loss.item() / dp.loss_scale}
                 if ref_logp is not None:
@@ -182,8 +239,17 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
                 loss.backward()
                 dp.after_backward(model, key)
                 share = (mask.sum() / tokens).item()
-                records.append((key, {**rec, **{k: m[k].item() * share
-                                                for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}}))
+                records.append(
+                    (
+                        key,
+                        {
+                            **rec,
+                            **{
+                                k: m[k].item() * share for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+                            },
+                        },
+                    )
+                )
             grad_norm = dp.reduce(model, cfg.grad_clip)  # this rank's gradient shards, clipped
             if reuse:
                 old_trainer, ent, agree = dp.gather_rows([old_trainer, ent, agree], mine)
@@ -196,10 +262,13 @@ def update(model, ref_model, opt, batch: StepBatch, adv: torch.Tensor, cfg: Trai
                 per_step[k].append(v)
             per_step["grad_norm"].append(float(grad_norm))
     opt.zero_grad(set_to_none=True)
-    if reuse:  # the correction's diagnostics, now that every old logprob is known (its weights were ones: none)
+    if (
+        reuse
+    ):  # the correction's diagnostics, now that every old logprob is known (its weights were ones: none)
         old = old_logprobs(stale_mode, old_trainer, batch.rollout_logp, fresh, batch.mask)[0]
-        corr_metrics = rollout_correction(old, batch.rollout_logp, train_mask, a.rollout_correction,
-                                          **vars(a.rollout_corr))[2]
+        corr_metrics = rollout_correction(
+            old, batch.rollout_logp, train_mask, a.rollout_correction, **vars(a.rollout_corr)
+        )[2]
     # --- mismatch: the trainer's old logprobs vs the engine's, same weights (fresh tokens)
     f = fresh > 0
     d = (old_trainer - batch.rollout_logp)[f]
@@ -258,7 +327,8 @@ def rollout_metrics(batch: StepBatch, adv: torch.Tensor) -> dict[str, float | st
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
         "response_length/min": lengths.min().item(),
-        "response_length/clip_ratio": sum(r.finish_reason == "length" for r in batch.results) / len(batch.results),
+        "response_length/clip_ratio": sum(r.finish_reason == "length" for r in batch.results)
+        / len(batch.results),
         "prompt_length/mean": sum(len(r.request.prompt_ids) for r in batch.results) / len(batch.results),
         "overlong/penalty_mean": (batch.scores - batch.correct).mean().item(),
         "dapo/kept_groups": batch.kept_groups,
@@ -270,28 +340,43 @@ def rollout_metrics(batch: StepBatch, adv: torch.Tensor) -> dict[str, float | st
 def build(cfg: TrainConfig):
     """Seed, then the pieces every entrypoint needs: (determinism, tokenizer, task, ctx_len, policy, sampling)."""
     device = resolve_device(cfg.device)
-    det = det_mod.setup(cfg.determinism, cfg.seed, device, resolve_dtype(cfg.model.dtype, device),
-                        cfg.activation_checkpointing)
+    det = det_mod.setup(
+        cfg.determinism,
+        cfg.seed,
+        device,
+        resolve_dtype(cfg.model.dtype, device),
+        cfg.activation_checkpointing,
+    )
     if det.device.type == "cuda" and det.invariant_kernels and det.dtype == torch.float32:
-        raise ConfigError("model.dtype=float32 is not valid with determinism.kernels=batch_invariant on CUDA: the "
-                          "Triton kernels' float32 dots run in TF32; use model.dtype=bfloat16 (or auto)")
+        raise ConfigError(
+            "model.dtype=float32 is not valid with determinism.kernels=batch_invariant on CUDA: the "
+            "Triton kernels' float32 dots run in TF32; use model.dtype=bfloat16 (or auto)"
+        )
     if cfg.model.path is not None:  # one line naming what the dir lacks, or its unsupported architecture
         arch = checkpoint_architecture(cfg.model.path, need_tokenizer=True)
         if arch != cfg.model.name:
-            raise ConfigError(f"model.path={cfg.model.path!r} holds a {arch} checkpoint; use model={arch} "
-                              f"(model.name={cfg.model.name!r})")
+            raise ConfigError(
+                f"model.path={cfg.model.path!r} holds a {arch} checkpoint; use model={arch} "
+                f"(model.name={cfg.model.name!r})"
+            )
     tokenizer = tokenizer_for(cfg)  # model.path's own tokenizer when given
     task = build_task(cfg, tokenizer)  # the train split; its eval split is task.eval_task
     r = cfg.rollout
     ctx_len = context_length(task, tokenizer, r.max_new_tokens)
     model = load_policy(cfg, tokenizer, task, ctx_len).to(det.device)  # float32 master weights
     if model.config.vocab_size < len(tokenizer):
-        raise ConfigError(f"model.vocab_size={model.config.vocab_size} < the tokenizer's {len(tokenizer)} tokens")
-    sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, stop_token_ids(tokenizer, cfg.model.path))
+        raise ConfigError(
+            f"model.vocab_size={model.config.vocab_size} < the tokenizer's {len(tokenizer)} tokens"
+        )
+    sampling = SamplingParams(
+        r.temperature, r.top_p, r.max_new_tokens, stop_token_ids(tokenizer, cfg.model.path)
+    )
     return det, tokenizer, task, ctx_len, model, sampling
 
 
-def make_engine(cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingParams, tokenizer, run_dir: Path):
+def make_engine(
+    cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingParams, tokenizer, run_dir: Path
+):
     """The rollout engine of `rollout.backend`, holding the current policy weights."""
     r = cfg.rollout
     if r.backend == "sglang":
@@ -306,27 +391,67 @@ def make_engine(cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingPa
             model.save_pretrained(init)
             tokenizer.save_pretrained(init)
             for i in range(s.num_servers):
-                argv = server_argv(str(init), s.port + i, cfg.seed, det.invariant_kernels, s.attention_backend, s.tp_size,
-                                   s.rl_on_policy_target, dtype=sglang_dtype(dtype))
-                procs.append(launch(argv, run_dir / f"sglang-{i}.log", s.gpu_ids[i] if i < len(s.gpu_ids) else None))
+                argv = server_argv(
+                    str(init),
+                    s.port + i,
+                    cfg.seed,
+                    det.invariant_kernels,
+                    s.attention_backend,
+                    s.tp_size,
+                    s.rl_on_policy_target,
+                    dtype=sglang_dtype(dtype),
+                )
+                procs.append(
+                    launch(argv, run_dir / f"sglang-{i}.log", s.gpu_ids[i] if i < len(s.gpu_ids) else None)
+                )
                 urls.append(f"http://127.0.0.1:{s.port + i}")
         if procs:
-            atexit.register(lambda: [p.terminate() for p in procs if p.poll() is None])  # even if we crash early
-        engine = SGLangEngine(urls, sampling, det.fixed_routing, r.max_batch_size, timeout_s=s.timeout_s,
-                              retries=s.retries, health_timeout_s=s.health_timeout_s, procs=procs,
-                              deterministic=det.invariant_kernels, dtype=dtype)
+            atexit.register(
+                lambda: [p.terminate() for p in procs if p.poll() is None]
+            )  # even if we crash early
+        engine = SGLangEngine(
+            urls,
+            sampling,
+            det.fixed_routing,
+            r.max_batch_size,
+            timeout_s=s.timeout_s,
+            retries=s.retries,
+            health_timeout_s=s.health_timeout_s,
+            procs=procs,
+            deterministic=det.invariant_kernels,
+            dtype=dtype,
+        )
         engine.update_weights(model.state_dict())  # the servers start from the policy
         return engine
     if det.device.type == "cuda":
         if cfg.algo.routing_replay:
-            raise ConfigError(f"algo.routing_replay=True is not valid: the CUDA engine (device={det.device.type}) "
-                              "does not record expert ids (use device=cpu)")
+            raise ConfigError(
+                f"algo.routing_replay=True is not valid: the CUDA engine (device={det.device.type}) "
+                "does not record expert ids (use device=cpu)"
+            )
         from detrl.rollout.cuda import CudaEngine
 
-        return CudaEngine(model, det.ops, ctx_len, sampling, seed=cfg.seed, max_batch_size=r.max_batch_size,
-                          fixed_routing=det.fixed_routing, device=det.device, dtype=det.dtype)
-    return EmbeddedEngine(model, det.ops, ctx_len, sampling, seed=cfg.seed, num_workers=r.num_workers,
-                          max_batch_size=r.max_batch_size, fixed_routing=det.fixed_routing)
+        return CudaEngine(
+            model,
+            det.ops,
+            ctx_len,
+            sampling,
+            seed=cfg.seed,
+            max_batch_size=r.max_batch_size,
+            fixed_routing=det.fixed_routing,
+            device=det.device,
+            dtype=det.dtype,
+        )
+    return EmbeddedEngine(
+        model,
+        det.ops,
+        ctx_len,
+        sampling,
+        seed=cfg.seed,
+        num_workers=r.num_workers,
+        max_batch_size=r.max_batch_size,
+        fixed_routing=det.fixed_routing,
+    )
 
 
 def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, float]:
@@ -360,11 +485,17 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     dp = distributed.DataParallel(model, ordered=det.ordered_reduce)
     # fused: one kernel for all parameters (0.22 vs 1.09 ms per step on the default model)
     o = cfg.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(o.betas),
-                            fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(o.betas), fused=True
+    )
     warmup = warmup_steps(o.lr_warmup_steps, o.lr_warmup_steps_ratio, cfg.steps)
-    tags = [f"model={cfg.model.name}", f"algo={cfg.algo.name}", f"determinism={det_mod.label(vars(cfg.determinism))}",
-            f"partial={cfg.rollout.partial.enabled}", f"repeat={cfg.repeat}"]
+    tags = [
+        f"model={cfg.model.name}",
+        f"algo={cfg.algo.name}",
+        f"determinism={det_mod.label(vars(cfg.determinism))}",
+        f"partial={cfg.rollout.partial.enabled}",
+        f"repeat={cfg.repeat}",
+    ]
     source = GroupSource(det, task, tokenizer, cfg)
     evaluator = Evaluator(cfg, source)  # eval/* every eval.every steps; reward/errors every step
     state = checkpoint.RunState(wandb_id=uuid.uuid4().hex[:8], buffer=PartialBuffer())
@@ -374,12 +505,28 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
         if distributed.is_main():
             checkpoint.truncate_metrics(run_dir, state.step)
             print(f"resuming from {ckpt} (step {state.step})")
-    tracker = Tracker(run_dir, cfg.logger, run_name(cfg), group, config, tags=tags, job_type=cell_name(cfg),
-                      run_id=state.wandb_id, resume_step=state.step if payload is not None else None)
+    tracker = Tracker(
+        run_dir,
+        cfg.logger,
+        run_name(cfg),
+        group,
+        config,
+        tags=tags,
+        job_type=cell_name(cfg),
+        run_id=state.wandb_id,
+        resume_step=state.step if payload is not None else None,
+    )
     data_pos, curve, exit_code = state.data_pos, state.curve, 1
     try:
-        bar = tqdm(range(state.step + 1, cfg.steps + 1), desc=run_name(cfg), unit="step", dynamic_ncols=True,
-                   initial=state.step, total=cfg.steps, disable=not distributed.is_main())
+        bar = tqdm(
+            range(state.step + 1, cfg.steps + 1),
+            desc=run_name(cfg),
+            unit="step",
+            dynamic_ncols=True,
+            initial=state.step,
+            total=cfg.steps,
+            disable=not distributed.is_main(),
+        )
         for step in bar:
             t0 = time.perf_counter()
             # --- rollout -> reward -> advantage
@@ -389,14 +536,18 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
                 batch, data_pos = collect(engine, source, step, data_pos, ctx_len)
             batch = to_device(batch, det.device)
             t_rollout = time.perf_counter() - t0
-            adv = ADV_ESTIMATORS[cfg.algo.adv_estimator](batch.scores, batch.group_ids, cfg.algo.norm_adv_by_std,
-                                                         cfg.algo.adv_epsilon)
+            adv = ADV_ESTIMATORS[cfg.algo.adv_estimator](
+                batch.scores, batch.group_ids, cfg.algo.norm_adv_by_std, cfg.algo.adv_epsilon
+            )
             # --- update, then sync the engine's weights. The lr is a function of the step (verl's schedulers,
             # stepped once per rollout batch): nothing to checkpoint for an exact resume
             for g in opt.param_groups:
-                g["lr"] = cfg.lr * lr_ratio(step - 1, cfg.steps, warmup, o.lr_scheduler_type, o.min_lr_ratio,
-                                            o.num_cycles)
-            metrics = update(model, ref_model, opt, batch, adv, cfg, det.ops, ctx_len, rope, version=step - 1, dp=dp)
+                g["lr"] = cfg.lr * lr_ratio(
+                    step - 1, cfg.steps, warmup, o.lr_scheduler_type, o.min_lr_ratio, o.num_cycles
+                )
+            metrics = update(
+                model, ref_model, opt, batch, adv, cfg, det.ops, ctx_len, rope, version=step - 1, dp=dp
+            )
             weights = distributed.full_state_dict(model)  # gathered under FSDP2: every rank's engine gets all
             engine.update_weights(weights)
             # --- log
@@ -417,8 +568,9 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             # --- checkpoint
             state.step, state.data_pos = step, data_pos
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
-                checkpoint.save(run_dir, state, model, opt, ref_model, engine.generator, config,
-                                cfg.checkpoint.keep_last)
+                checkpoint.save(
+                    run_dir, state, model, opt, ref_model, engine.generator, config, cfg.checkpoint.keep_last
+                )
         if cfg.checkpoint.save_final:
             final, weights = run_dir / "checkpoint-final", distributed.full_state_dict(model)
             if distributed.is_main():
@@ -433,8 +585,11 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
         tracker.finish(exit_code)
     # written last: its presence marks a complete run for the sweep analysis
     if distributed.is_main():
-        (run_dir / "summary.json").write_text(json.dumps({"status": "complete", "run": run_name(cfg),
-                                                          "cell": cell_name(cfg), **summary}, indent=1))
+        (run_dir / "summary.json").write_text(
+            json.dumps(
+                {"status": "complete", "run": run_name(cfg), "cell": cell_name(cfg), **summary}, indent=1
+            )
+        )
     distributed.barrier()
     return summary
 

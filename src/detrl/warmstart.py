@@ -33,11 +33,18 @@ def cache_root() -> Path:
 
 
 def warmstart_dir(model_cfg: ModelConfig, data_cfg: DataConfig, ws: WarmstartConfig, tokenizer) -> Path:
-    arch = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in ("path", "init", "attn_implementation")}
+    arch = {
+        k: v
+        for k, v in dataclasses.asdict(model_cfg).items()
+        if k not in ("path", "init", "attn_implementation")
+    }
     # the arithmetic task's fields only (the SFT's data): later data options leave existing caches valid
     data = {k: v for k, v in dataclasses.asdict(data_cfg).items() if k in _SFT_DATA_KEYS}
-    key = json.dumps([arch, data, dataclasses.asdict(ws), tokenizer.get_vocab(),
-                      torch.__version__], sort_keys=True, default=str)
+    key = json.dumps(
+        [arch, data, dataclasses.asdict(ws), tokenizer.get_vocab(), torch.__version__],
+        sort_keys=True,
+        default=str,
+    )
     return cache_root() / "warmstart" / f"{model_cfg.name}-{stable_hash(key):016x}"
 
 
@@ -58,19 +65,24 @@ def sft(model, tokenizer, task, ws: WarmstartConfig, ctx_len: int) -> None:
         for row, i in enumerate(idx):
             p = task[i]
             prompt = encode(tokenizer, p.prompt)
-            full = prompt + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            full = (
+                prompt + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            )
             ids[row, : len(full)] = torch.tensor(full)
-            labels[row, len(prompt) - 1 : len(full) - 1] = torch.tensor(full[len(prompt):])
+            labels[row, len(prompt) - 1 : len(full) - 1] = torch.tensor(full[len(prompt) :])
         logits = forward(model, ids, DEFAULT_OPS, ctx_len, rope)  # [B, L, V]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), label_smoothing=ws.label_smoothing)
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), label_smoothing=ws.label_smoothing
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
     model.eval()
 
 
-def load_or_build(model_cfg: ModelConfig, data_cfg: DataConfig, ws: WarmstartConfig, tokenizer, task,
-                  ctx_len: int) -> torch.nn.Module:
+def load_or_build(
+    model_cfg: ModelConfig, data_cfg: DataConfig, ws: WarmstartConfig, tokenizer, task, ctx_len: int
+) -> torch.nn.Module:
     path = warmstart_dir(model_cfg, data_cfg, ws, tokenizer)
     if (path / "config.json").is_file():
         return build_model(dataclasses.replace(model_cfg, path=str(path)), seed=ws.seed)

@@ -11,6 +11,14 @@ from detrl.algos.core import (
 from detrl.algos.dapo import filter_groups, overlong_penalty
 
 __all__ = [
-    "ADV_ESTIMATORS", "agg_loss", "compute_policy_loss", "filter_groups", "grpo_advantages", "kl_penalty",
-    "lr_ratio", "old_logprobs", "overlong_penalty", "warmup_steps",
+    "ADV_ESTIMATORS",
+    "agg_loss",
+    "compute_policy_loss",
+    "filter_groups",
+    "grpo_advantages",
+    "kl_penalty",
+    "lr_ratio",
+    "old_logprobs",
+    "overlong_penalty",
+    "warmup_steps",
 ]

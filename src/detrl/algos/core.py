@@ -26,8 +26,9 @@ def register_adv_estimator(name: str):
 
 
 @register_adv_estimator("grpo")
-def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
-                    epsilon: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True, epsilon: float = 1e-6
+) -> torch.Tensor:
     """Group-normalised outcome advantages, one scalar per sequence.
 
     A_i = (r_i - mean_g) / (std_g + eps) with the unbiased std; Dr. GRPO (norm_by_std=False) drops the
@@ -47,9 +48,15 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: 
     return adv
 
 
-def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                        mask: torch.Tensor, clip_low: float, clip_high: float, clip_c: float,
-                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def compute_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token clipped surrogate with dual clip; returns (loss [B, T], masked-mean metrics).
 
     advantages [B, T] (broadcast per token). For A < 0 the loss is capped at -A * c.
@@ -71,9 +78,15 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
-def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, batch_num_tokens: float | None = None,
-             global_batch_size: float | None = None, loss_scale_factor: float | None = None,
-             dp_size: int = 1) -> torch.Tensor:
+def agg_loss(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    batch_num_tokens: float | None = None,
+    global_batch_size: float | None = None,
+    loss_scale_factor: float | None = None,
+    dp_size: int = 1,
+) -> torch.Tensor:
     """Aggregate a per-token loss [B, T] into a scalar, as verl's `agg_loss` (core_algos.py) does.
 
     token-mean: Σ loss·mask / batch_num_tokens; seq-mean-token-mean: Σ over sequences of per-sequence
@@ -88,14 +101,20 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, batch_num_tokens
     """
     seq_tokens = mask.sum(-1)  # [B]
     if mode == "token-mean":
-        n_tok = mask.sum() if batch_num_tokens is None else torch.as_tensor(batch_num_tokens, dtype=loss.dtype)
+        n_tok = (
+            mask.sum() if batch_num_tokens is None else torch.as_tensor(batch_num_tokens, dtype=loss.dtype)
+        )
         return (loss * mask).sum() / _nonzero(n_tok) * dp_size
     if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         seq_losses = (loss * mask).sum(-1)
         if mode == "seq-mean-token-mean":
             seq_losses = seq_losses / (seq_tokens + 1e-8)
         seq_mask = (seq_tokens > 0).to(loss.dtype)
-        n_seq = seq_mask.sum() if global_batch_size is None else torch.as_tensor(global_batch_size, dtype=loss.dtype)
+        n_seq = (
+            seq_mask.sum()
+            if global_batch_size is None
+            else torch.as_tensor(global_batch_size, dtype=loss.dtype)
+        )
         return (seq_losses * seq_mask).sum() / _nonzero(n_seq) * dp_size
     if mode == "seq-mean-token-sum-norm":
         factor = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
@@ -110,8 +129,9 @@ def _nonzero(n: torch.Tensor) -> torch.Tensor:
     return torch.where(n == 0, torch.ones_like(n), n)
 
 
-def old_logprobs(mode: str, trainer_old: torch.Tensor, rollout: torch.Tensor, fresh: torch.Tensor,
-                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def old_logprobs(
+    mode: str, trainer_old: torch.Tensor, rollout: torch.Tensor, fresh: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The old (proximal) policy's logprobs and the loss mask, by how stale partial-rollout tokens are treated.
 
     trainer_old: the trainer's logprobs before this step's first update (verl's old_log_prob); rollout: the
@@ -129,8 +149,14 @@ def old_logprobs(mode: str, trainer_old: torch.Tensor, rollout: torch.Tensor, fr
     raise ValueError(f"stale_tokens={mode!r} is not valid; choose one of ['keep', 'mask', 'rescore']")
 
 
-def lr_ratio(step: int, total_steps: int, warmup_steps: int, kind: str = "constant", min_lr_ratio: float = 0.0,
-             num_cycles: float = 0.5) -> float:
+def lr_ratio(
+    step: int,
+    total_steps: int,
+    warmup_steps: int,
+    kind: str = "constant",
+    min_lr_ratio: float = 0.0,
+    num_cycles: float = 0.5,
+) -> float:
     """The lr multiplier at scheduler step `step` (0-based), as verl's get_constant_schedule_with_warmup /
     get_cosine_schedule_with_warmup: linear warmup from 0 over `warmup_steps`, then constant, or a cosine
     from 1 down to `min_lr_ratio` over the remaining steps."""
@@ -162,7 +188,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
         delta = (ref_logp - logp).clamp(-20.0, 20.0)
         # exp(d) - d - 1 written as expm1(d) - d: in float32 the plain form rounds below 0 for tiny d
         return (torch.expm1(delta) - delta).clamp(-10.0, 10.0)
-    raise ValueError(f"kl_loss_type={kind!r} is not valid; choose one of ['kl', 'k1', 'abs', 'mse', 'k2', 'low_var_kl', 'k3']")
+    raise ValueError(
+        f"kl_loss_type={kind!r} is not valid; choose one of ['kl', 'k1', 'abs', 'mse', 'k2', 'low_var_kl', 'k3']"
+    )
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

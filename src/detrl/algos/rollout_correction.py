@@ -53,11 +53,19 @@ SAFETY_BOUND = 20.0  # verl's clamp on log-ratios before exp
 METRIC_KEYS = ("weight_mean", "weight_max", "truncated_frac", "masked_frac", "ratio_min", "ratio_max")
 
 
-def validate(mode: str = "none", level: str = "token", cap: float = 2.0, lower: float = 0.5, upper: float = 5.0,
-             mis_weight: str = "ratio", prefix: str = "rollout_correction") -> None:
+def validate(
+    mode: str = "none",
+    level: str = "token",
+    cap: float = 2.0,
+    lower: float = 0.5,
+    upper: float = 5.0,
+    mis_weight: str = "ratio",
+    prefix: str = "rollout_correction",
+) -> None:
     """One-line ValueError for a bad setting. The bounds are chosen so that ratio 1 (no mismatch)
     is always kept at weight 1: cap >= 1 and lower <= 1 <= upper, which makes every mode an exact
     no-op under `determinism=on`."""
+
     def bad(key, value, why):
         raise ValueError(f"{prefix}.{key}={value!r} is not valid; {why}")
 
@@ -75,8 +83,12 @@ def validate(mode: str = "none", level: str = "token", cap: float = 2.0, lower: 
         bad("upper", upper, "the MIS upper bound must be >= 1")
 
 
-def importance_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, level: str = "token",
-                     ) -> torch.Tensor:
+def importance_ratio(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    level: str = "token",
+) -> torch.Tensor:
     """Detached r = pi_old / pi_rollout [B, T]: per token, or per sequence (exp of the masked sum of
     log-ratios, broadcast over the sequence). Log-ratios are clamped to [-20, 20] before exp."""
     log_ratio = (old_logp - rollout_logp).detach()
@@ -85,9 +97,17 @@ def importance_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: t
     return torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
 
 
-def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, mode: str = "none",
-                       level: str = "token", cap: float = 2.0, lower: float = 0.5, upper: float = 5.0,
-                       mis_weight: str = "ratio") -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def rollout_correction(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "none",
+    level: str = "token",
+    cap: float = 2.0,
+    lower: float = 0.5,
+    upper: float = 5.0,
+    mis_weight: str = "ratio",
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """-> (weights [B, T], mask [B, T], metrics). Use as `loss = agg_loss(pg * weights, mask, ...)`.
 
     weights: detached; 1.0 on tokens outside `mask` and wherever no correction applies, 0.0 on tokens
@@ -105,8 +125,10 @@ def rollout_correction(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
     """
     validate(mode, level, cap, lower, upper, mis_weight)
     if not old_logp.shape == rollout_logp.shape == mask.shape:
-        raise ValueError(f"shapes differ: old_logp {tuple(old_logp.shape)}, rollout_logp {tuple(rollout_logp.shape)}, "
-                         f"mask {tuple(mask.shape)}")
+        raise ValueError(
+            f"shapes differ: old_logp {tuple(old_logp.shape)}, rollout_logp {tuple(rollout_logp.shape)}, "
+            f"mask {tuple(mask.shape)}"
+        )
     ratio = importance_ratio(old_logp, rollout_logp, mask, level)
     on = mask > 0
     one = torch.ones_like(ratio)
@@ -151,8 +173,12 @@ def merge_metrics(parts: list[tuple[dict[str, torch.Tensor], float]]) -> dict[st
     `*_max` keys take the max, `*_min` the min (over parts with tokens), the rest the token-weighted mean."""
     parts = [(m, float(n)) for m, n in parts if float(n) > 0] or [(m, 1.0) for m, _ in parts[:1]]
     if not parts:
-        return {f"rollout_corr/{k}": (1.0 if k in ("weight_mean", "weight_max", "ratio_min", "ratio_max") else 0.0)
-                for k in METRIC_KEYS}
+        return {
+            f"rollout_corr/{k}": (
+                1.0 if k in ("weight_mean", "weight_max", "ratio_min", "ratio_max") else 0.0
+            )
+            for k in METRIC_KEYS
+        }
     total = sum(n for _, n in parts)
     out = {}
     for key in parts[0][0]:

@@ -29,7 +29,24 @@ from detrl.analysis.verdicts import (
 )
 
 __all__ = [
-    "FP_ORDER", "STAGE", "STAGES", "Sweep", "differing", "distances", "distinct_trajectories", "divergence_matrix",
-    "findings", "first_divergence", "load_drift", "load_local", "load_metrics", "load_sweep", "load_wandb",
-    "pair_distance", "pair_divergences", "spread", "trajectory", "verdicts",
+    "FP_ORDER",
+    "STAGE",
+    "STAGES",
+    "Sweep",
+    "differing",
+    "distances",
+    "distinct_trajectories",
+    "divergence_matrix",
+    "findings",
+    "first_divergence",
+    "load_drift",
+    "load_local",
+    "load_metrics",
+    "load_sweep",
+    "load_wandb",
+    "pair_distance",
+    "pair_divergences",
+    "spread",
+    "trajectory",
+    "verdicts",
 ]

@@ -38,7 +38,7 @@ def kind_of(ablation: str) -> tuple[str, str | None]:
     """'no_kernels' -> ('leave-one-out', 'kernels'); 'all_on_partial' -> ('reference', None)."""
     for prefix, kind in (("no_", "leave-one-out"), ("only_", "leave-one-in")):
         if ablation.startswith(prefix):
-            return kind, ablation[len(prefix):]
+            return kind, ablation[len(prefix) :]
     return "reference", None
 
 
@@ -59,9 +59,24 @@ def _interval(x: np.ndarray, seed: int = 0) -> tuple[float, float]:
 
 def ablation_table(sweep: Sweep) -> pd.DataFrame:
     """One row per (setting, ablation cell); empty when the sweep has no `ablation=` cells."""
-    cols = ["setting", "ablation", "kind", "source", "repeats", "reproducible", "first_divergence_step",
-            "first_divergence_stage", "differs_from_all_on", "reward_spread", "reward_spread_lo", "reward_spread_hi",
-            "reward_drift", "reward_last", "param_distance_last", "mismatch_max"]
+    cols = [
+        "setting",
+        "ablation",
+        "kind",
+        "source",
+        "repeats",
+        "reproducible",
+        "first_divergence_step",
+        "first_divergence_stage",
+        "differs_from_all_on",
+        "reward_spread",
+        "reward_spread_lo",
+        "reward_spread_hi",
+        "reward_drift",
+        "reward_last",
+        "param_distance_last",
+        "mismatch_max",
+    ]
     runs = sweep.runs[sweep.runs.status == "complete"]
     cells = [c for c in runs.cell.unique() if "ablation" in parse_cell(c)]
     if not cells:
@@ -74,14 +89,28 @@ def ablation_table(sweep: Sweep) -> pd.DataFrame:
     for cell in cells:
         setting, name = without(cell, "ablation"), parse_cell(cell)["ablation"]
         kind, source = kind_of(name)
-        ref = ",".join(sorted([*(f"{k}={x}" for k, x in parse_cell(cell).items() if k != "ablation"),
-                               f"ablation={reference_of(name)}"]))
-        row = {"setting": setting, "ablation": name, "kind": kind, "source": source, "repeats": v.repeats[cell],
-               "reproducible": v.distinct_trajectories[cell] == 1 if v.repeats[cell] >= 2 else None,
-               "first_divergence_step": v.first_divergence_step[cell],
-               "first_divergence_stage": v.first_divergence_stage[cell],
-               "reward_last": v.reward_last[cell], "param_distance_last": v.param_distance_last[cell],
-               "mismatch_max": v.mismatch_max[cell], "differs_from_all_on": None}
+        ref = ",".join(
+            sorted(
+                [
+                    *(f"{k}={x}" for k, x in parse_cell(cell).items() if k != "ablation"),
+                    f"ablation={reference_of(name)}",
+                ]
+            )
+        )
+        row = {
+            "setting": setting,
+            "ablation": name,
+            "kind": kind,
+            "source": source,
+            "repeats": v.repeats[cell],
+            "reproducible": v.distinct_trajectories[cell] == 1 if v.repeats[cell] >= 2 else None,
+            "first_divergence_step": v.first_divergence_step[cell],
+            "first_divergence_stage": v.first_divergence_stage[cell],
+            "reward_last": v.reward_last[cell],
+            "param_distance_last": v.param_distance_last[cell],
+            "mismatch_max": v.mismatch_max[cell],
+            "differs_from_all_on": None,
+        }
         if kind == "leave-one-out" and ref in first_run and cell != ref:
             d = first_divergence(sweep.rows[first_run[cell]], sweep.rows[first_run[ref]])
             row["differs_from_all_on"] = f"step {d[0]}, {STAGE[d[1]]}" if d else "no: bitwise equal"
@@ -111,8 +140,10 @@ def ablation_title(table: pd.DataFrame) -> str:
     loo, loi = table[table.kind == "leave-one-out"], table[table.kind == "leave-one-in"]
     breaks = sorted(set(loo[loo.reproducible.map(_no)].source))
     restores = sorted(set(loi[loi.reproducible.map(_yes)].source))
-    return (f"Released alone from on, {', '.join(breaks) or 'no source'} breaks bitwise repeats; pinned alone in off, "
-            f"{', '.join(restores) or 'no source'} restores them (reward std across repeats, mean over steps)")
+    return (
+        f"Released alone from on, {', '.join(breaks) or 'no source'} breaks bitwise repeats; pinned alone in off, "
+        f"{', '.join(restores) or 'no source'} restores them (reward std across repeats, mean over steps)"
+    )
 
 
 def ablation_findings(table: pd.DataFrame) -> list[str]:
@@ -121,30 +152,53 @@ def ablation_findings(table: pd.DataFrame) -> list[str]:
     out = []
     for setting, t in table.groupby("setting", sort=True):
         loo, loi = t[t.kind == "leave-one-out"], t[t.kind == "leave-one-in"]
-        breaks = [f"{r.source} (step {int(r.first_divergence_step)}, {r.first_divergence_stage})"
-                  for r in loo.itertuples() if _no(r.reproducible)]
-        changes = [r.source for r in loo.itertuples()
-                   if _yes(r.reproducible) and r.differs_from_all_on and not r.differs_from_all_on.startswith("no")]
-        inert = [r.source for r in loo.itertuples()
-                 if _yes(r.reproducible) and r.differs_from_all_on and r.differs_from_all_on.startswith("no")]
+        breaks = [
+            f"{r.source} (step {int(r.first_divergence_step)}, {r.first_divergence_stage})"
+            for r in loo.itertuples()
+            if _no(r.reproducible)
+        ]
+        changes = [
+            r.source
+            for r in loo.itertuples()
+            if _yes(r.reproducible) and r.differs_from_all_on and not r.differs_from_all_on.startswith("no")
+        ]
+        inert = [
+            r.source
+            for r in loo.itertuples()
+            if _yes(r.reproducible) and r.differs_from_all_on and r.differs_from_all_on.startswith("no")
+        ]
         restores = [r.source for r in loi.itertuples() if _yes(r.reproducible)]
-        s = [f"**{setting}**: released alone from `on`, "
-             + (", ".join(breaks) + " make repeats diverge" if breaks else "no source makes repeats diverge")]
+        s = [
+            f"**{setting}**: released alone from `on`, "
+            + (", ".join(breaks) + " make repeats diverge" if breaks else "no source makes repeats diverge")
+        ]
         if changes:
             s.append(", ".join(changes) + " change the bits but stay reproducible")
         if inert:
             s.append(", ".join(inert) + " leave them bitwise equal to all-on")
-        s.append("pinned alone in `off`, " + (", ".join(restores) + " restore bitwise repeats" if restores
-                                              else "no single source restores bitwise repeats"))
-        near = loi[loi.reproducible.map(_no) & loi.param_distance_last.notna()].sort_values("param_distance_last")
+        s.append(
+            "pinned alone in `off`, "
+            + (
+                ", ".join(restores) + " restore bitwise repeats"
+                if restores
+                else "no single source restores bitwise repeats"
+            )
+        )
+        near = loi[loi.reproducible.map(_no) & loi.param_distance_last.notna()].sort_values(
+            "param_distance_last"
+        )
         if len(near):
             r = near.iloc[0]
-            s.append(f"{r.source} comes closest (repeats part first in {r.first_divergence_stage} and end "
-                     f"{r.param_distance_last:.2g} apart in parameter L2, all-off {_all_off_distance(t):.2g})")
+            s.append(
+                f"{r.source} comes closest (repeats part first in {r.first_divergence_stage} and end "
+                f"{r.param_distance_last:.2g} apart in parameter L2, all-off {_all_off_distance(t):.2g})"
+            )
         spread = t[t.reward_spread.notna()].sort_values("reward_spread", ascending=False)
         if len(spread) and spread.reward_spread.iloc[0] > 0:
             top = spread.iloc[0]
-            s.append(f"the widest reward spread across repeats is {top.ablation} "
-                     f"({top.reward_spread:.3g}, 95% CI {top.reward_spread_lo:.3g}-{top.reward_spread_hi:.3g})")
+            s.append(
+                f"the widest reward spread across repeats is {top.ablation} "
+                f"({top.reward_spread:.3g}, 95% CI {top.reward_spread_lo:.3g}-{top.reward_spread_hi:.3g})"
+            )
         out.append("; ".join(s) + ".")
     return out

@@ -43,6 +43,15 @@ def distances(sweep: Sweep, kind: str = "param") -> pd.DataFrame:
             for step, d in pair_distance(sweep, a, b, kind).items():
                 per_step.setdefault(step, []).append(d)
         for step, ds in sorted(per_step.items()):
-            out.append({"cell": cell, "step": step, "median": float(np.median(ds)), "min": min(ds), "max": max(ds),
-                        "pairs": len(ds), "zero_pairs": sum(d == 0.0 for d in ds)})
+            out.append(
+                {
+                    "cell": cell,
+                    "step": step,
+                    "median": float(np.median(ds)),
+                    "min": min(ds),
+                    "max": max(ds),
+                    "pairs": len(ds),
+                    "zero_pairs": sum(d == 0.0 for d in ds),
+                }
+            )
     return pd.DataFrame(out, columns=["cell", "step", "median", "min", "max", "pairs", "zero_pairs"])

@@ -14,7 +14,7 @@ REWARD_WINDOW = 5  # the reward "at the end" is the mean over each run's last 5 
 
 
 def parse_cell(cell: str) -> dict[str, str]:
-    """"algo=dapo,determinism=off" -> {"algo": "dapo", "determinism": "off"} ("default" -> {})."""
+    """ "algo=dapo,determinism=off" -> {"algo": "dapo", "determinism": "off"} ("default" -> {})."""
     return dict(p.split("=", 1) for p in cell.split(",") if "=" in p)
 
 
@@ -42,11 +42,14 @@ def facts(sweep: Sweep) -> dict:
         vm = v[(v.determinism == mode) & (v.repeats >= 2)]  # cells with two complete repeats to compare
         div = vm[vm.first_divergence_step.notna()]
         f[mode] = {
-            "cells": len(vm), "identical": int((vm.verdict == "bitwise identical").sum()),
+            "cells": len(vm),
+            "identical": int((vm.verdict == "bitwise identical").sum()),
             "diverging": len(div),
             "first_steps": sorted({int(s) for s in div.first_divergence_step}),
             "stages": Counter(div.first_divergence_stage),
-            "mismatch_max": float(vm.mismatch_max.max()) if len(vm) and vm.mismatch_max.notna().any() else None,
+            "mismatch_max": float(vm.mismatch_max.max())
+            if len(vm) and vm.mismatch_max.notna().any()
+            else None,
         }
     dist = distances(sweep, "param")
     if len(dist):
@@ -54,9 +57,14 @@ def facts(sweep: Sweep) -> dict:
         det = v.set_index("cell").determinism
         for mode in ("on", "off"):
             d = last[last.index.map(det) == mode]
-            f[mode]["distance_last"] = (float(d["median"].median()), float(d["min"].min()), float(d["max"].max())) \
-                if len(d) else None
-            f[mode]["distance_all_zero"] = bool(len(d)) and bool((dist[dist.cell.map(det) == mode]["max"] == 0).all())
+            f[mode]["distance_last"] = (
+                (float(d["median"].median()), float(d["min"].min()), float(d["max"].max()))
+                if len(d)
+                else None
+            )
+            f[mode]["distance_all_zero"] = bool(len(d)) and bool(
+                (dist[dist.cell.map(det) == mode]["max"] == 0).all()
+            )
         f["distance_step"] = int(dist.step.max())
         m = sweep.metrics
         if len(m) and "drift/param_norm" in m:
@@ -92,8 +100,11 @@ def facts(sweep: Sweep) -> dict:
     # how much runs of one cell (same work) differ in median step time: the noise floor of those ratios
     m = sweep.metrics
     if len(m) and "timing_s/step" in m:
-        per_run = m[m.run.isin(sweep.runs[sweep.runs.status == "complete"].run)].groupby(["cell", "run"])[
-            "timing_s/step"].median()
+        per_run = (
+            m[m.run.isin(sweep.runs[sweep.runs.status == "complete"].run)]
+            .groupby(["cell", "run"])["timing_s/step"]
+            .median()
+        )
         noise = per_run.groupby(level="cell").agg(lambda x: x.max() / x.min() if x.min() > 0 else np.nan)
         f["time_noise"] = float(noise.max()) if noise.notna().any() else None
     return f
@@ -103,12 +114,16 @@ def divergence_sentence(f: dict) -> str:
     on, off = f["on"], f["off"]
     parts = []
     if on["cells"]:
-        parts.append(f"{on['identical']} of {on['cells']} determinism=on cells are bitwise identical across repeats")
+        parts.append(
+            f"{on['identical']} of {on['cells']} determinism=on cells are bitwise identical across repeats"
+        )
     if off["cells"] and off["diverging"]:
         stages = ", ".join(f"{s} in {n} of them" for s, n in off["stages"].most_common())
         steps = " or ".join(str(s) for s in off["first_steps"])
-        parts.append(f"{off['diverging']} of {off['cells']} determinism=off cells diverge, at step {steps}; "
-                     f"the first stage to differ (order -> tokens -> logprobs -> params) is {stages}")
+        parts.append(
+            f"{off['diverging']} of {off['cells']} determinism=off cells diverge, at step {steps}; "
+            f"the first stage to differ (order -> tokens -> logprobs -> params) is {stages}"
+        )
     elif off["cells"]:
         parts.append(f"none of the {off['cells']} determinism=off cells diverge")
     if f["incomplete_cells"]:
@@ -123,11 +138,16 @@ def distance_sentence(f: dict) -> str:
     off, on = f["off"].get("distance_last"), f["on"].get("distance_last")
     if off:
         rel = f" = {100 * off[0] / f['param_norm']:.2g}% of the parameter norm" if f.get("param_norm") else ""
-        out.append(f"off repeats end {_fmt(off[0])} apart in parameter L2 at step {f['distance_step']}{rel} "
-                   f"(median over cells; pairs range {_fmt(off[1])}-{_fmt(off[2])})")
+        out.append(
+            f"off repeats end {_fmt(off[0])} apart in parameter L2 at step {f['distance_step']}{rel} "
+            f"(median over cells; pairs range {_fmt(off[1])}-{_fmt(off[2])})"
+        )
     if on:
-        out.append("on repeats stay at exactly 0" if f["on"]["distance_all_zero"]
-                   else f"on repeats reach {_fmt(on[2])}")
+        out.append(
+            "on repeats stay at exactly 0"
+            if f["on"]["distance_all_zero"]
+            else f"on repeats reach {_fmt(on[2])}"
+        )
     return _sentence(out)
 
 
@@ -135,17 +155,22 @@ def time_sentence(f: dict) -> str:
     r = f.get("time_ratio")
     if not r:
         return ""
-    return (f"determinism=on changes the median step time by {100 * (r[0] - 1):+.0f}% "
-            f"({100 * (r[1] - 1):+.0f}% to {100 * (r[2] - 1):+.0f}% across settings"
-            + (f"; repeats of one cell differ by up to {f['time_noise']:.2f}x" if f.get("time_noise") else "") + ")")
+    return (
+        f"determinism=on changes the median step time by {100 * (r[0] - 1):+.0f}% "
+        f"({100 * (r[1] - 1):+.0f}% to {100 * (r[2] - 1):+.0f}% across settings"
+        + (f"; repeats of one cell differ by up to {f['time_noise']:.2f}x" if f.get("time_noise") else "")
+        + ")"
+    )
 
 
 def reward_sentence(f: dict) -> str:
     out = []
     if f.get("reward_gap_max") is not None:
         lo, hi = f["reward_steps"]
-        out.append(f"over steps {lo}-{hi} on and off mean rewards differ by at most {f['reward_gap_max']:.3f}, "
-                   f"while repeats of one cell spread by up to {f['reward_spread_max']:.3f}")
+        out.append(
+            f"over steps {lo}-{hi} on and off mean rewards differ by at most {f['reward_gap_max']:.3f}, "
+            f"while repeats of one cell spread by up to {f['reward_spread_max']:.3f}"
+        )
     return _sentence([*out, time_sentence(f)])
 
 
@@ -153,4 +178,3 @@ def findings(sweep: Sweep) -> list[str]:
     """Three sentences: whether runs differ and where they part; how far they drift; what on costs and changes."""
     f = facts(sweep)
     return [s for s in (divergence_sentence(f), distance_sentence(f), reward_sentence(f)) if s]
-

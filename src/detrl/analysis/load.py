@@ -22,8 +22,12 @@ from detrl.determinism import label as det_label
 from detrl.fingerprint import DRIFT_FILE
 
 _NOT_CELL = ("repeat", "experiment", "logger", "hydra", "run_dir", "resume", "checkpoint")
-_SHORT = {"rollout.partial.enabled=false": "partial=off", "rollout.partial.enabled=true": "partial=on",
-          "partial=false": "partial=off", "partial=true": "partial=on"}
+_SHORT = {
+    "rollout.partial.enabled=false": "partial=off",
+    "rollout.partial.enabled=true": "partial=on",
+    "partial=false": "partial=off",
+    "partial=true": "partial=on",
+}
 
 
 @dataclass
@@ -34,7 +38,9 @@ class Sweep:
     rows: dict[str, list[dict]]  # run -> its metrics rows, for fingerprint comparisons
     drift: dict[str, dict[int, dict]] = field(default_factory=dict)  # run -> step -> drift record (sketches)
     source: str = "local"  # "local" | "wandb"
-    memo: dict = field(default_factory=dict, repr=False, compare=False)  # tables derived once per loaded sweep
+    memo: dict = field(
+        default_factory=dict, repr=False, compare=False
+    )  # tables derived once per loaded sweep
 
 
 def _yaml(text: str):
@@ -64,24 +70,35 @@ def load_drift(run_dir: str | Path) -> dict[int, dict]:
     twice (a resumed run redoes the steps after its checkpoint) keeps its last record."""
     out = {}
     for r in _read_jsonl(Path(run_dir) / DRIFT_FILE):
-        out[int(r["step"])] = {"param_norm": r.get("param_norm"),
-                               "param_sketch": np.asarray(r["param_sketch"], dtype=np.float64),
-                               "logprob_sketch": np.asarray(r["logprob_sketch"], dtype=np.float64)}
+        out[int(r["step"])] = {
+            "param_norm": r.get("param_norm"),
+            "param_sketch": np.asarray(r["param_sketch"], dtype=np.float64),
+            "logprob_sketch": np.asarray(r["logprob_sketch"], dtype=np.float64),
+        }
     return out
 
 
 def cell_of(overrides: list[str]) -> str:
-    keep = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").split(".")[0].split("/")[0] not in _NOT_CELL]
+    keep = [
+        o for o in overrides if o.split("=", 1)[0].lstrip("+~").split(".")[0].split("/")[0] not in _NOT_CELL
+    ]
     return ",".join(sorted(_SHORT.get(o.lower(), o) for o in keep)) or "default"
 
 
 def _info(run: str, path: str, overrides: list[str], cfg: dict, rows: list[dict], done: bool) -> dict:
-    repeat = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("repeat=")), cfg.get("repeat", 0))
+    repeat = next(
+        (int(o.split("=", 1)[1]) for o in overrides if o.startswith("repeat=")), cfg.get("repeat", 0)
+    )
     return {
-        "run": run, "path": path, "cell": cell_of(overrides), "repeat": repeat,
+        "run": run,
+        "path": path,
+        "cell": cell_of(overrides),
+        "repeat": repeat,
         "status": "complete" if done and len(rows) == cfg.get("steps", len(rows)) else "incomplete",
-        "steps_logged": len(rows), "steps_expected": cfg.get("steps"),
-        "model": (cfg.get("model") or {}).get("name"), "algo": (cfg.get("algo") or {}).get("name"),
+        "steps_logged": len(rows),
+        "steps_expected": cfg.get("steps"),
+        "model": (cfg.get("model") or {}).get("name"),
+        "algo": (cfg.get("algo") or {}).get("name"),
         "determinism": det_label(cfg.get("determinism") or {}),
         "partial": ((cfg.get("rollout") or {}).get("partial") or {}).get("enabled"),
     }
@@ -100,7 +117,9 @@ def _assemble(path: Path, runs: list[tuple[dict, list[dict], dict[int, dict]]], 
 def load_local(sweep_dir: str | Path) -> Sweep:
     """Every run dir under `sweep_dir` (a dir holding metrics.jsonl or .hydra/), complete or not."""
     sweep_dir = Path(sweep_dir)
-    run_dirs = sorted({p.parent for p in sweep_dir.glob("*/metrics.jsonl")} | {p.parent for p in sweep_dir.glob("*/.hydra")})
+    run_dirs = sorted(
+        {p.parent for p in sweep_dir.glob("*/metrics.jsonl")} | {p.parent for p in sweep_dir.glob("*/.hydra")}
+    )
     if not run_dirs:
         raise FileNotFoundError(f"no runs under {sweep_dir} (expected <run>/metrics.jsonl or <run>/.hydra)")
     runs = []
@@ -110,7 +129,9 @@ def load_local(sweep_dir: str | Path) -> Sweep:
         cfg_file = d / "config.yaml"
         cfg = (_yaml(cfg_file.read_text()) or {}) if cfg_file.is_file() else {}
         rows = load_metrics(d)
-        runs.append((_info(d.name, str(d), overrides, cfg, rows, (d / "summary.json").is_file()), rows, load_drift(d)))
+        runs.append(
+            (_info(d.name, str(d), overrides, cfg, rows, (d / "summary.json").is_file()), rows, load_drift(d))
+        )
     return _assemble(sweep_dir, runs, "local")
 
 
@@ -147,7 +168,9 @@ def load_wandb(path: str, api=None, drift_dir: str | Path | None = None) -> Swee
             drift = load_drift(drift_root / run.id)
         except Exception:  # noqa: BLE001 - not uploaded: the run still loads, without distances
             pass
-        info = _info(run.name, f"wandb:{'/'.join(project)}/{run.id}", overrides, cfg, rows, run.state == "finished")
+        info = _info(
+            run.name, f"wandb:{'/'.join(project)}/{run.id}", overrides, cfg, rows, run.state == "finished"
+        )
         runs.append((info, rows, drift))
     if not runs:
         raise FileNotFoundError(f"no W&B runs in group {group!r} of {'/'.join(project)}")
@@ -168,8 +191,10 @@ def load_sweep(sweep_dir: str | Path | None = None, wandb_path: str | None = Non
         except Exception as e:  # noqa: BLE001 - any failure of the remote source falls back to the files
             if sweep_dir is None:
                 raise
-            warnings.warn(f"W&B {wandb_path}: {type(e).__name__}: {e}; reading the local files under {sweep_dir}",
-                          stacklevel=2)
+            warnings.warn(
+                f"W&B {wandb_path}: {type(e).__name__}: {e}; reading the local files under {sweep_dir}",
+                stacklevel=2,
+            )
     if sweep_dir is None:
         raise ValueError("load_sweep: give a sweep dir, a wandb path, or both")
     return load_local(sweep_dir)

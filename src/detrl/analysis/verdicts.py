@@ -18,8 +18,12 @@ from detrl.analysis.load import Sweep
 
 # pipeline order: the first one to differ says where nondeterminism entered
 FP_ORDER = ("fp/batch_order", "fp/rollout_tokens", "fp/rollout_logprobs", "fp/params")
-STAGE = {"fp/batch_order": "order", "fp/rollout_tokens": "tokens", "fp/rollout_logprobs": "logprobs",
-         "fp/params": "params"}
+STAGE = {
+    "fp/batch_order": "order",
+    "fp/rollout_tokens": "tokens",
+    "fp/rollout_logprobs": "logprobs",
+    "fp/params": "params",
+}
 STAGES = tuple(STAGE[k] for k in FP_ORDER)
 
 
@@ -97,22 +101,32 @@ def _verdicts(sweep: Sweep) -> pd.DataFrame:
             stages = [STAGE[k] for k in FP_ORDER if k in keys]
         m = sweep.metrics[sweep.metrics.run.isin(names)] if len(sweep.metrics) else sweep.metrics
         n = distinct_trajectories(rows) if rows else 0
-        verdict = ("incomplete" if len(rows) < 2 else "bitwise identical" if n == 1
-                   else f"diverges at step {first[0]} in {STAGE[first[1]]}")
+        verdict = (
+            "incomplete"
+            if len(rows) < 2
+            else "bitwise identical"
+            if n == 1
+            else f"diverges at step {first[0]} in {STAGE[first[1]]}"
+        )
         d = dist[dist.cell == cell]
-        out.append({
-            "cell": cell, "determinism": runs.determinism.iloc[0], "repeats": len(rows),
-            "incomplete": int((runs.status != "complete").sum()), "distinct_trajectories": n,
-            "first_divergence_step": first[0] if first else None,
-            "first_divergence_stage": STAGE[first[1]] if first else None,
-            "first_divergence_fp": first[1] if first else None,
-            "stages_differing_then": "+".join(stages) if stages else None,
-            "reward_last": _per_run(m, "critic/score/mean", "last", "mean"),
-            "step_time_s": _per_run(m, "timing_s/step", "median", "median"),
-            "mismatch_max": _per_run(m, "mismatch/train_rollout_logprob_abs_diff_max", "max", "max"),
-            "param_distance_last": d.sort_values("step")["median"].iloc[-1] if len(d) else None,
-            "verdict": verdict,
-        })
+        out.append(
+            {
+                "cell": cell,
+                "determinism": runs.determinism.iloc[0],
+                "repeats": len(rows),
+                "incomplete": int((runs.status != "complete").sum()),
+                "distinct_trajectories": n,
+                "first_divergence_step": first[0] if first else None,
+                "first_divergence_stage": STAGE[first[1]] if first else None,
+                "first_divergence_fp": first[1] if first else None,
+                "stages_differing_then": "+".join(stages) if stages else None,
+                "reward_last": _per_run(m, "critic/score/mean", "last", "mean"),
+                "step_time_s": _per_run(m, "timing_s/step", "median", "median"),
+                "mismatch_max": _per_run(m, "mismatch/train_rollout_logprob_abs_diff_max", "max", "max"),
+                "param_distance_last": d.sort_values("step")["median"].iloc[-1] if len(d) else None,
+                "verdict": verdict,
+            }
+        )
     return pd.DataFrame(out)
 
 
@@ -130,9 +144,16 @@ def pair_divergences(sweep: Sweep) -> pd.DataFrame:
                 continue
             ra = next(r for r in sweep.rows[a] if r["step"] == d[0])
             rb = next(r for r in sweep.rows[b] if r["step"] == d[0])
-            out.append({"cell": cell, "a": a, "b": b, "step": d[0],
-                        "stages": "+".join(STAGE[k] for k in differing(ra, rb)),
-                        "param_distance": pair_distance(sweep, a, b).get(d[0])})
+            out.append(
+                {
+                    "cell": cell,
+                    "a": a,
+                    "b": b,
+                    "step": d[0],
+                    "stages": "+".join(STAGE[k] for k in differing(ra, rb)),
+                    "param_distance": pair_distance(sweep, a, b).get(d[0]),
+                }
+            )
     return pd.DataFrame(out, columns=["cell", "a", "b", "step", "stages", "param_distance"])
 
 

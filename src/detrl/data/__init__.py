@@ -4,6 +4,15 @@ from detrl.data.registry import TASK_NAMES, build_task, stop_token_ids, tokenize
 from detrl.data.tokenizer import build_tokenizer, load_tokenizer
 
 __all__ = [
-    "TASK_NAMES", "ArithmeticTask", "DataError", "Problem", "Task", "build_task", "build_tokenizer",
-    "exact_match_reward", "load_tokenizer", "stop_token_ids", "tokenizer_for",
+    "TASK_NAMES",
+    "ArithmeticTask",
+    "DataError",
+    "Problem",
+    "Task",
+    "build_task",
+    "build_tokenizer",
+    "exact_match_reward",
+    "load_tokenizer",
+    "stop_token_ids",
+    "tokenizer_for",
 ]

@@ -87,7 +87,11 @@ class Task:
 
     # --- prompts
     def render(self, tokenizer, problem: Problem) -> str:
-        return problem.prompt if isinstance(problem.prompt, str) else "\n".join(m["content"] for m in problem.prompt)
+        return (
+            problem.prompt
+            if isinstance(problem.prompt, str)
+            else "\n".join(m["content"] for m in problem.prompt)
+        )
 
     def encode(self, tokenizer, problem: Problem) -> list[int]:
         if self._ids is not None:
@@ -134,8 +138,12 @@ class Task:
         """The scoring processes (spawned, not forked: the trainer may hold CUDA and engine workers), made at first
         use and shut down with the task."""
         if self._executor is None:  # the task goes pickled (the pool holds no reference to it)
-            self._executor = ProcessPoolExecutor(self.reward_workers, mp_context=mp.get_context("spawn"),
-                                                 initializer=_init_worker, initargs=(pickle.dumps(self),))
+            self._executor = ProcessPoolExecutor(
+                self.reward_workers,
+                mp_context=mp.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(pickle.dumps(self),),
+            )
             weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
         return self._executor
 
@@ -171,14 +179,30 @@ def _score_in_worker(text: str, answer: str) -> tuple[float, bool]:
 class ChatTask(Task):
     """A task read from files whose prompts go through the tokenizer's chat template when asked."""
 
-    def __init__(self, prompts, answers, chat_template: bool = False, enable_thinking: bool | None = None,
-                 system_prompt: str | None = None, reward_timeout_s: float = 5.0, reward_workers: int = 0):
+    def __init__(
+        self,
+        prompts,
+        answers,
+        chat_template: bool = False,
+        enable_thinking: bool | None = None,
+        system_prompt: str | None = None,
+        reward_timeout_s: float = 5.0,
+        reward_workers: int = 0,
+    ):
         super().__init__(prompts, answers)
-        self.chat_template, self.enable_thinking, self.system_prompt = chat_template, enable_thinking, system_prompt
+        self.chat_template, self.enable_thinking, self.system_prompt = (
+            chat_template,
+            enable_thinking,
+            system_prompt,
+        )
         self.reward_timeout_s, self.reward_workers = reward_timeout_s, reward_workers
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
-        msgs = [{"role": "user", "content": problem.prompt}] if isinstance(problem.prompt, str) else list(problem.prompt)
+        msgs = (
+            [{"role": "user", "content": problem.prompt}]
+            if isinstance(problem.prompt, str)
+            else list(problem.prompt)
+        )
         if self.system_prompt and not any(m["role"] == "system" for m in msgs):
             msgs = [{"role": "system", "content": self.system_prompt}, *msgs]
         return msgs
@@ -187,10 +211,13 @@ class ChatTask(Task):
         if not self.chat_template:
             return super().render(tokenizer, problem)
         if not getattr(tokenizer, "chat_template", None):
-            raise DataError("data.chat_template=true but the tokenizer has no chat template (set data.chat_template=false)")
+            raise DataError(
+                "data.chat_template=true but the tokenizer has no chat template (set data.chat_template=false)"
+            )
         kwargs = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
-        return tokenizer.apply_chat_template(self.messages(problem), tokenize=False, add_generation_prompt=True,
-                                             **kwargs)
+        return tokenizer.apply_chat_template(
+            self.messages(problem), tokenize=False, add_generation_prompt=True, **kwargs
+        )
 
 
 # --- reading files
@@ -222,13 +249,19 @@ def load_rows(path: str, key: str = "data.path"):
     builder = SUFFIXES[files[0].suffix]
     datasets.disable_progress_bars()
     try:
-        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                   cache_dir=str(cache_root() / "datasets"))
+        ds = datasets.load_dataset(
+            builder,
+            data_files=[str(f) for f in files],
+            split="train",
+            cache_dir=str(cache_root() / "datasets"),
+        )
     except Exception as e:  # noqa: BLE001 - pyarrow / json errors come in many types
         # name the file that does not parse
         for f in files:
             try:
-                datasets.load_dataset(builder, data_files=[str(f)], split="train", cache_dir=str(cache_root() / "datasets"))
+                datasets.load_dataset(
+                    builder, data_files=[str(f)], split="train", cache_dir=str(cache_root() / "datasets")
+                )
             except Exception as inner:  # noqa: BLE001
                 raise DataError(f"{key}: cannot read {f}: {_one_line(inner)}") from None
         raise DataError(f"{key}={path!r}: cannot read the files: {_one_line(e)}") from None

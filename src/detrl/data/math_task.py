@@ -31,8 +31,11 @@ def math_reward(response: str, gold: str) -> float:
 
     configs = [LatexExtractionConfig(), ExprExtractionConfig()]
     # the gold is LaTeX without delimiters ("2\sqrt{2}", "\frac{1}{2}", "34"): read it as math first
-    target = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", extraction_config=configs,
-                   parsing_timeout=None)
+    target = parse(
+        gold if "$" in gold or "\\boxed" in gold else f"${gold}$",
+        extraction_config=configs,
+        parsing_timeout=None,
+    )
     if not target:
         target = parse(gold, extraction_config=configs, parsing_timeout=None)
     if not target:

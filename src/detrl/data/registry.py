@@ -47,13 +47,17 @@ def stop_token_ids(tokenizer, model_path: str | None) -> tuple[int, ...]:
                 ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
     out = tuple(dict.fromkeys(int(i) for i in ids))
     if not out:
-        raise DataError(f"model.path={model_path!r}: no eos token id (tokenizer, generation_config.json, config.json)")
+        raise DataError(
+            f"model.path={model_path!r}: no eos token id (tokenizer, generation_config.json, config.json)"
+        )
     return out
 
 
 def _file_task(d: DataConfig, path: str, key: str, seed: int) -> Task:
     ds = load_rows(path, key)
-    pkey = d.prompt_key or ("question" if d.name == "gsm8k" else next((k for k in PROMPT_KEYS if k in ds.column_names), "prompt"))
+    pkey = d.prompt_key or (
+        "question" if d.name == "gsm8k" else next((k for k in PROMPT_KEYS if k in ds.column_names), "prompt")
+    )
     if d.answer_key:
         akey = d.answer_key
     elif d.name == "gsm8k":
@@ -64,11 +68,19 @@ def _file_task(d: DataConfig, path: str, key: str, seed: int) -> Task:
     answers = [str(a) for a in column(ds, akey, "data.answer_key", path)]
     if d.name == "math":
         answers = [gold_from(a, akey) for a in answers]
-    template = d.prompt_template if d.prompt_template is not None else (
-        "{prompt} " + DEFAULT_TEMPLATE if d.name == "gsm8k" else "{prompt}")
+    template = (
+        d.prompt_template
+        if d.prompt_template is not None
+        else ("{prompt} " + DEFAULT_TEMPLATE if d.name == "gsm8k" else "{prompt}")
+    )
     prompts = [_apply_template(template, p) for p in prompts]
-    common = dict(chat_template=d.chat_template, enable_thinking=d.enable_thinking, system_prompt=d.system_prompt,
-                  reward_timeout_s=d.reward_timeout_s, reward_workers=d.reward_workers)
+    common = dict(
+        chat_template=d.chat_template,
+        enable_thinking=d.enable_thinking,
+        system_prompt=d.system_prompt,
+        reward_timeout_s=d.reward_timeout_s,
+        reward_workers=d.reward_workers,
+    )
     if d.name == "gsm8k":
         return GSM8KTask(prompts, answers, method=d.gsm8k_method, **common)
     return MathTask(prompts, answers, **common)

@@ -18,26 +18,42 @@ from detrl.config import ConfigError, ModelConfig
 
 # config.json model_type -> detrl's model.name
 ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
 def hf_config(cfg: ModelConfig):
     common = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     if cfg.name == "qwen3":
         config = Qwen3Config(intermediate_size=cfg.intermediate_size, **common)
     else:
         config = Qwen3MoeConfig(
-            intermediate_size=cfg.intermediate_size, moe_intermediate_size=cfg.moe_intermediate_size,
-            num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-            norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, **common,
+            intermediate_size=cfg.intermediate_size,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=1,
+            **common,
         )
     if cfg.attn_implementation is not None:
         config._attn_implementation = cfg.attn_implementation
@@ -66,8 +82,10 @@ def checkpoint_architecture(path: str | Path, need_tokenizer: bool = False) -> s
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
         archs = config.get("architectures") or [model_type]
-        raise ConfigError(f"{key}: architecture {archs[0]!r} (model_type {model_type!r}) is not supported; "
-                          "detrl runs Qwen3ForCausalLM (qwen3) and Qwen3MoeForCausalLM (qwen3_moe)")
+        raise ConfigError(
+            f"{key}: architecture {archs[0]!r} (model_type {model_type!r}) is not supported; "
+            "detrl runs Qwen3ForCausalLM (qwen3) and Qwen3MoeForCausalLM (qwen3_moe)"
+        )
     return ARCHITECTURES[model_type]
 
 
@@ -76,8 +94,9 @@ def build_model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
     if cfg.path is not None:
         checkpoint_architecture(cfg.path)
         kwargs = {} if cfg.attn_implementation is None else {"attn_implementation": cfg.attn_implementation}
-        return AutoModelForCausalLM.from_pretrained(str(cfg.path), local_files_only=True, dtype=torch.float32,
-                                                    **kwargs)
+        return AutoModelForCausalLM.from_pretrained(
+            str(cfg.path), local_files_only=True, dtype=torch.float32, **kwargs
+        )
     cls = Qwen3ForCausalLM if cfg.name == "qwen3" else Qwen3MoeForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -44,10 +44,14 @@ class Weights:
 
     def map(self, fn) -> Weights:
         """The same weights with fn applied to every tensor (e.g. a detached copy in shared memory)."""
+
         def each(x):
             return None if x is None else fn(x)
 
-        layers = [LayerWeights(**{f.name: each(getattr(lw, f.name)) for f in fields(LayerWeights)}) for lw in self.layers]
+        layers = [
+            LayerWeights(**{f.name: each(getattr(lw, f.name)) for f in fields(LayerWeights)})
+            for lw in self.layers
+        ]
         return Weights(fn(self.embed), layers, fn(self.norm), fn(self.lm_head), self.config)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -74,15 +78,28 @@ def fuse(model, dtype: torch.dtype | None = None) -> Weights:
         if hasattr(mlp, "experts"):  # Qwen3-MoE: the experts' gate/up are stacked already
             gate_up, down, router = mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight
         else:
-            gate_up, down, router = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight, None
-        layers.append(LayerWeights(
-            input_norm=layer.input_layernorm.weight,
-            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-            qk_norm=torch.cat([a.q_norm.weight.expand(c.num_attention_heads, -1),
-                               a.k_norm.weight.expand(c.num_key_value_heads, -1)]),
-            o=a.o_proj.weight,
-            post_norm=layer.post_attention_layernorm.weight,
-            gate_up=gate_up, down=down, router=router))
+            gate_up, down, router = (
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                mlp.down_proj.weight,
+                None,
+            )
+        layers.append(
+            LayerWeights(
+                input_norm=layer.input_layernorm.weight,
+                qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                qk_norm=torch.cat(
+                    [
+                        a.q_norm.weight.expand(c.num_attention_heads, -1),
+                        a.k_norm.weight.expand(c.num_key_value_heads, -1),
+                    ]
+                ),
+                o=a.o_proj.weight,
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up=gate_up,
+                down=down,
+                router=router,
+            )
+        )
     w = Weights(inner.embed_tokens.weight, layers, inner.norm.weight, model.lm_head.weight, c)
     if dtype is None or dtype == w.embed.dtype:
         return w
@@ -95,15 +112,24 @@ class KVCache:
     v: list[torch.Tensor]
 
     @classmethod
-    def empty(cls, config, batch: int, ctx_len: int, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu") -> KVCache:
+    def empty(
+        cls,
+        config,
+        batch: int,
+        ctx_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
         shape = (batch, config.num_key_value_heads, ctx_len, config.head_dim)
-        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)])
+        return cls(
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
+        )
 
 
-def rope_tables(config, ctx_len: int, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    config, ctx_len: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, signed sin [ctx_len, D]: transformers' values for positions 0..ctx_len-1, with the first half of
     sin negated so that rotate_half becomes a roll (see _rope). Computed on the CPU in float32 on every
     device (the same values everywhere), then cast to the compute dtype as transformers does."""
@@ -113,7 +139,10 @@ def rope_tables(config, ctx_len: int, device: torch.device | str = "cpu",
     freqs = torch.arange(ctx_len, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [L, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
     sin = emb.sin()
-    cos, sin = emb.cos(), torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), dim=-1)  # rotate_half's sign folded in
+    cos, sin = (
+        emb.cos(),
+        torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), dim=-1),
+    )  # rotate_half's sign folded in
     return cos.to(device, dtype), sin.to(device, dtype)
 
 
@@ -135,8 +164,24 @@ def layer_pre(h, input_norm, qkv_w, qk_norm, cos, sin, ops: Ops, heads: int, hd:
     return qk[:, :heads], qk[:, heads:], qkv[:, :, qk_norm.shape[0] :].transpose(1, 2)
 
 
-def layer_post(h, q, keys, values, mask, o_w, post_norm, gate_up, down, router, ops: Ops, top_k: int,
-               norm_topk_prob: bool, hd: int, eps: float, forced: torch.Tensor | None = None):
+def layer_post(
+    h,
+    q,
+    keys,
+    values,
+    mask,
+    o_w,
+    post_norm,
+    gate_up,
+    down,
+    router,
+    ops: Ops,
+    top_k: int,
+    norm_topk_prob: bool,
+    hd: int,
+    eps: float,
+    forced: torch.Tensor | None = None,
+):
     """The second half: attention over the keys, the o gemm and residual, the post norm, the MLP and residual.
 
     -> (h, ids): ids [B T, k] the experts the router chose (MoE; None when dense). forced [B T, k]: routing replay,
@@ -197,10 +242,20 @@ def _keys_values(k, v, slot, layer: int, cache: KVCache | None, ctx_len: int):
     return cache.k[layer], cache.v[layer]
 
 
-def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KVCache | None = None,
-            positions: torch.Tensor | None = None, last: torch.Tensor | None = None,
-            head: bool = True, stages=(layer_pre, layer_post), experts: torch.Tensor | None = None,
-            routes: bool = False):
+def forward(
+    model,
+    tokens: torch.Tensor,
+    ops: Ops,
+    ctx_len: int,
+    rope,
+    cache: KVCache | None = None,
+    positions: torch.Tensor | None = None,
+    last: torch.Tensor | None = None,
+    head: bool = True,
+    stages=(layer_pre, layer_post),
+    experts: torch.Tensor | None = None,
+    routes: bool = False,
+):
     """tokens [B, T] -> logits [B, T, V] (or [B, V] at index `last` [B] of each row).
 
     `model`: a transformers Qwen3 model or its `fuse`d Weights. cache None: whole left-aligned sequences of
@@ -220,7 +275,9 @@ def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KV
         positions = torch.arange(t, device=dev).expand(b, t)
     cos, sin = rope
     rot = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, T, 1, D], shared by heads and layers
-    mask = torch.arange(ctx_len, device=dev)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]
+    mask = (
+        torch.arange(ctx_len, device=dev)[None, None, None, :] <= positions[:, None, :, None]
+    )  # [B, 1, T, L]
     slot = None
     if cache is not None and t == 1:  # the cache slot each row writes, shared by the layers
         slot = positions[:, None, :, None].expand(b, c.num_key_value_heads, 1, c.head_dim)  # [B, Hkv, 1, D]
@@ -233,8 +290,24 @@ def forward(model, tokens: torch.Tensor, ops: Ops, ctx_len: int, rope, cache: KV
         q, k, v = pre(h, lw.input_norm, lw.qkv, lw.qk_norm, *rot, ops, c.num_attention_heads, hd, eps)
         keys, values = _keys_values(k, v, slot, i, cache, ctx_len)
         forced = None if experts is None else experts[:, :, i].reshape(b * t, -1)  # [B T, k]
-        return post(h, q, keys, values, mask, lw.o, lw.post_norm, lw.gate_up, lw.down, lw.router, ops, top_k,
-                    norm_topk, hd, eps, forced)
+        return post(
+            h,
+            q,
+            keys,
+            values,
+            mask,
+            lw.o,
+            lw.post_norm,
+            lw.gate_up,
+            lw.down,
+            lw.router,
+            ops,
+            top_k,
+            norm_topk,
+            hd,
+            eps,
+            forced,
+        )
 
     recompute = ops.checkpoint and cache is None and torch.is_grad_enabled()
     chosen = []  # per layer [B T, k] (MoE)
@@ -255,7 +328,9 @@ def log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return F.log_softmax(logits.float() / temperature, dim=-1)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of `targets` under softmax(logits / T), and the full log-distribution. [.., V] -> [..]."""
     logp = log_probs(logits, temperature)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), logp

@@ -28,16 +28,24 @@ def default_chunk(vocab: int) -> int:
     return max(_ROWS, CHUNK_ELEMENTS // vocab // _ROWS * _ROWS)
 
 
-def _head(rows: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, linear, temperature: float,
-          entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _head(
+    rows: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, linear, temperature: float, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     logp = log_probs(linear(rows, w), temperature)  # [c, V]
     tok = logp.gather(-1, targets[:, None]).squeeze(-1)  # [c]
     ent = entropy_from_logp(logp) if entropy else tok.new_zeros(0)
     return tok, ent
 
 
-def head_logprobs(rows: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, linear, temperature: float,
-                  entropy: bool = False, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head_logprobs(
+    rows: torch.Tensor,
+    w: torch.Tensor,
+    targets: torch.Tensor,
+    linear,
+    temperature: float,
+    entropy: bool = False,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """rows [M, H] (final-normed hidden states), lm_head w [V, H], targets [M] -> logprob [M], entropy [M] or None."""
     c = chunk or default_chunk(w.shape[0])
     grad = torch.is_grad_enabled() and (rows.requires_grad or w.requires_grad)
@@ -52,9 +60,19 @@ def head_logprobs(rows: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, li
     return torch.cat(toks), (torch.cat(ents) if entropy else None)
 
 
-def sequence_logprobs(model, input_ids: torch.Tensor, mask: torch.Tensor, ops, ctx_len: int, rope,
-                      temperature: float, entropy: bool = False, chunk: int | None = None,
-                      experts: torch.Tensor | None = None, routes: bool = False):
+def sequence_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    ops,
+    ctx_len: int,
+    rope,
+    temperature: float,
+    entropy: bool = False,
+    chunk: int | None = None,
+    experts: torch.Tensor | None = None,
+    routes: bool = False,
+):
     """Logprob of each next token where `mask` [N, L-1] is nonzero (0 elsewhere) -> [N, L-1], and its
     distribution's entropy [N, L-1] when asked. input_ids [N, L], left-aligned, L = ctx_len.
 

@@ -103,7 +103,9 @@ def bi_silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
 
 
-def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def bi_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q (B, H, T, D), k/v (B, Hkv, L, D), mask (B or 1, 1, T, L) True = attend -> (B, H, T, D).
 
     Always over the full key length L with masked keys at -inf, so prefill, decode and training
@@ -116,8 +118,9 @@ def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     hkv, length = k.shape[1], k.shape[-2]
     rep = h // hkv
     q = q.reshape(b, hkv, rep * t, d)  # rows (r, t) of each kv group
-    fast = (_gemm_is_row_invariant(d, length, q.dtype, q.device)
-            and _gemm_is_row_invariant(length, d, q.dtype, q.device))
+    fast = _gemm_is_row_invariant(d, length, q.dtype, q.device) and _gemm_is_row_invariant(
+        length, d, q.dtype, q.device
+    )
     if fast and t == 1 and rep < ROW_TILE:  # a decode step: its rep rows share one mask row
         return _decode_attention(q, k, v, mask, scale).reshape(b, h, t, d)
     if fast:
@@ -145,11 +148,17 @@ def _decode_attention(q, k, v, mask, scale) -> torch.Tensor:
     return torch.bmm(_pad_rows(probs), v.view(b * hkv, length, d))[:, :rep]
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
-def cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def cuda_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Attention for CUDA's default op set, by the forward's contract: T > 1 query rows sit at positions
     0..T-1 (training, prefill), so they attend causally to the first T keys (flash attention, no mask);
     a decode step (T == 1) attends to the whole fixed key length under its mask, as two batched gemms
@@ -157,14 +166,19 @@ def cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     b, h, t, d = q.shape
     hkv = k.shape[1]
     if t > 1:
-        return F.scaled_dot_product_attention(q, k[:, :, :t], v[:, :, :t], is_causal=True, scale=scale,
-                                              enable_gqa=h != hkv)
-    scores = torch.matmul(q.view(b, hkv, h // hkv, d), k.transpose(-1, -2)).float() * scale  # [B, Hkv, rep, L]
+        return F.scaled_dot_product_attention(
+            q, k[:, :, :t], v[:, :, :t], is_causal=True, scale=scale, enable_gqa=h != hkv
+        )
+    scores = (
+        torch.matmul(q.view(b, hkv, h // hkv, d), k.transpose(-1, -2)).float() * scale
+    )  # [B, Hkv, rep, L]
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)  # mask [B, 1, 1, L]
     return torch.matmul(probs, v).view(b, h, 1, d)
 
 
-def route_topk(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(
+    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The library's routing (fp32 softmax, torch.topk: ties broken however the kernel does)."""
     probs = torch.softmax(router_logits.float(), dim=-1)  # [N, E]
     top_i = torch.topk(probs, top_k, dim=-1).indices  # [N, k]
@@ -185,7 +199,9 @@ def routing_weights(router_logits: torch.Tensor, ids: torch.Tensor, norm_topk_pr
     return _weights_at(torch.softmax(router_logits.float(), dim=-1), ids, norm_topk_prob, router_logits.dtype)
 
 
-def _weights_at(probs: torch.Tensor, ids: torch.Tensor, norm_topk_prob: bool, dtype: torch.dtype) -> torch.Tensor:
+def _weights_at(
+    probs: torch.Tensor, ids: torch.Tensor, norm_topk_prob: bool, dtype: torch.dtype
+) -> torch.Tensor:
     """probs [N, E] at ids [N, k] (a gather copies the values sort / topk return), renormalised if asked."""
     top_w = probs.gather(-1, ids)  # [N, k]
     if norm_topk_prob:
@@ -220,7 +236,8 @@ def grouped_moe(x, top_w, top_i, gate_up, down, linear, silu) -> torch.Tensor:
     flat = top_i.reshape(-1)  # [N k]
     order = torch.argsort(flat, stable=True)  # [N k] pairs grouped by expert, ascending
     counts = torch.zeros(experts, dtype=torch.int32, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]
+        0, flat, torch.ones_like(flat, dtype=torch.int32)
+    )  # [E]
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end of each expert's rows
     xs = x[order // k]  # [N k, H]
     gate, up = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # [N k, I] each
@@ -231,6 +248,7 @@ def grouped_moe(x, top_w, top_i, gate_up, down, linear, silu) -> torch.Tensor:
 
 def _triton(name: str) -> Callable:
     """triton_ops.<name>, imported at the first call (CPU-only installs need not have Triton)."""
+
     def op(*args):
         from detrl.models import triton_ops
 
@@ -267,6 +285,15 @@ BATCH_INVARIANT_OPS = Ops("batch_invariant", bi_linear, bi_silu, bi_attention, r
 # CUDA: torch's kernels, with the MoE as grouped gemms (static shapes, no host sync: graph-capturable)
 CUDA_DEFAULT_OPS = Ops("cuda_default", F.linear, F.silu, cuda_attention, route_topk, moe=grouped_moe)
 # CUDA, determinism on: batch-invariant Triton kernels (F.silu is elementwise: invariant as it is)
-CUDA_INVARIANT_OPS = Ops("cuda_invariant", _triton("linear"), F.silu, _triton("attention"), route,
-                         moe=_triton("moe"), norm=_triton("rms_norm"), linear_add=_triton("linear_add"),
-                         silu_mul=_triton("silu_mul"), norm_rope=_triton("norm_rope"))
+CUDA_INVARIANT_OPS = Ops(
+    "cuda_invariant",
+    _triton("linear"),
+    F.silu,
+    _triton("attention"),
+    route,
+    moe=_triton("moe"),
+    norm=_triton("rms_norm"),
+    linear_add=_triton("linear_add"),
+    silu_mul=_triton("silu_mul"),
+    norm_rope=_triton("norm_rope"),
+)

@@ -36,8 +36,10 @@ class PreflightError(ConfigError):
     """determinism=on cannot be honoured here: the check found a row or phase that varies (one line)."""
 
 
-ROWS = {"cuda": (*range(1, 18), 23, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 257, 299, 300),
-        "cpu": (1, 5, 16, 17, 33)}  # cheap on the CPU: the CPU tests run it
+ROWS = {
+    "cuda": (*range(1, 18), 23, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 257, 299, 300),
+    "cpu": (1, 5, 16, 17, 33),
+}  # cheap on the CPU: the CPU tests run it
 # rows of the reference call the spread is compared with: on CUDA past 1024, where the invariant gemm launches the
 # training-size tiles (triton_ops.tiles_for), so the decode-size and training-size launches are compared too
 REFERENCE_ROWS = {"cuda": 2055, "cpu": max(ROWS["cpu"]) + 7}
@@ -61,32 +63,43 @@ def check_rows(weights: Weights, ops: Ops, seed: int = 0) -> list[str]:
     kind = "cuda" if dev.type == "cuda" else "cpu"
     spread, total = ROWS[kind], REFERENCE_ROWS[kind]
     g = torch.Generator().manual_seed(seed)
-    calls = {f"{name} (K={w.shape[-1]}, N={w.shape[0]})": (w.shape[-1], lambda x, w=w: ops.linear(x, w))
-             for name, w in gemm_shapes(weights).items()}
+    calls = {
+        f"{name} (K={w.shape[-1]}, N={w.shape[0]})": (w.shape[-1], lambda x, w=w: ops.linear(x, w))
+        for name, w in gemm_shapes(weights).items()
+    }
     lw, c = weights.layers[0], weights.config
     if lw.router is not None:
+
         def moe(x):
             top_w, top_i = ops.route(ops.linear(x, lw.router), c.num_experts_per_tok, c.norm_topk_prob)
             return ops.moe(x, top_w, top_i, lw.gate_up, lw.down, ops.linear, ops.silu)
 
         calls[f"moe (E={lw.gate_up.shape[0]}, K={lw.gate_up.shape[-1]}, I={lw.down.shape[-1]})"] = (
-            lw.gate_up.shape[-1], moe)
+            lw.gate_up.shape[-1],
+            moe,
+        )
     found = []
     for what, (k, fn) in calls.items():
         x = (torch.randn(total, k, generator=g) * 0.5).to(dev, dtype)
         ref = fn(x)
-        bad = next(((m, o) for m in spread for o in (0, 7) if not torch.equal(fn(x[o : o + m]), ref[o : o + m])), None)
+        bad = next(
+            ((m, o) for m in spread for o in (0, 7) if not torch.equal(fn(x[o : o + m]), ref[o : o + m])),
+            None,
+        )
         if bad:
             m, o = bad
             diff = (fn(x[o : o + m]) - ref[o : o + m]).float().abs().max().item()
-            found.append(f"{what}: rows {o}..{o + m - 1} of a {m}-row call differ from the same rows of a "
-                         f"{total}-row call (max diff {diff:.3g})")
+            found.append(
+                f"{what}: rows {o}..{o + m - 1} of a {m}-row call differ from the same rows of a "
+                f"{total}-row call (max diff {diff:.3g})"
+            )
     return found
 
 
 @torch.no_grad()
-def check(weights: Weights, ops: Ops, ctx_len: int, rope, batch: int = 8, prompt_len: int = 3,
-          seed: int = 0) -> list[str]:
+def check(
+    weights: Weights, ops: Ops, ctx_len: int, rope, batch: int = 8, prompt_len: int = 3, seed: int = 0
+) -> list[str]:
     """Differences found (empty: invariant on these shapes): the gemm shapes over row counts, then the trainer's
     rows and the sampler's phases on sequences of random tokens on the weights' device."""
     found = check_rows(weights, ops, seed)
@@ -97,30 +110,50 @@ def check(weights: Weights, ops: Ops, ctx_len: int, rope, batch: int = 8, prompt
     for rows in (slice(0, 1), slice(1, 1 + max(1, batch // 2 - 1))):  # alone, and in a batch of another size
         part = _logprobs_of(forward(weights, ids[rows], ops, ctx_len, rope)[:, :-1], ids[rows, 1:])
         if not torch.equal(part, full[rows]):
-            found.append(f"rows {rows.start}..{rows.stop - 1}: trainer logprobs depend on the batch "
-                         f"(max diff {(part - full[rows]).abs().max().item():.3g})")
+            found.append(
+                f"rows {rows.start}..{rows.stop - 1}: trainer logprobs depend on the batch "
+                f"(max diff {(part - full[rows]).abs().max().item():.3g})"
+            )
     cache = KVCache.empty(weights.config, batch, ctx_len, weights.embed.dtype, dev)
-    last = forward(weights, ids[:, :prompt_len], ops, ctx_len, rope, cache=cache,
-                   last=torch.full((batch,), prompt_len - 1, device=dev))  # [B, V]
+    last = forward(
+        weights,
+        ids[:, :prompt_len],
+        ops,
+        ctx_len,
+        rope,
+        cache=cache,
+        last=torch.full((batch,), prompt_len - 1, device=dev),
+    )  # [B, V]
     decoded = []
     for pos in range(prompt_len, min(ctx_len, prompt_len + 6)):
         tok = ids[:, pos]
         decoded.append(_logprobs_of(last, tok))
-        last = forward(weights, tok[:, None], ops, ctx_len, rope, cache=cache,
-                       positions=torch.full((batch, 1), pos, device=dev))[:, 0]
+        last = forward(
+            weights,
+            tok[:, None],
+            ops,
+            ctx_len,
+            rope,
+            cache=cache,
+            positions=torch.full((batch, 1), pos, device=dev),
+        )[:, 0]
     decoded = torch.stack(decoded, 1)  # [B, steps]
     want = full[:, prompt_len - 1 : prompt_len - 1 + decoded.shape[1]]
     if not torch.equal(decoded, want):
-        found.append(f"prefill + decode vs the trainer's forward: logprobs differ (max diff "
-                     f"{(decoded - want).abs().max().item():.3g})")
+        found.append(
+            f"prefill + decode vs the trainer's forward: logprobs differ (max diff "
+            f"{(decoded - want).abs().max().item():.3g})"
+        )
     return found
 
 
 def require(weights: Weights, ops: Ops, ctx_len: int, rope, **kw) -> None:
     found = check(weights, ops, ctx_len, rope, **kw)
     if found:
-        raise PreflightError(f"determinism=on refused: batch invariance not proven on {weights.embed.device} "
-                             f"({weights.embed.dtype}, ops {ops.name}): {found[0]}")
+        raise PreflightError(
+            f"determinism=on refused: batch invariance not proven on {weights.embed.device} "
+            f"({weights.embed.dtype}, ops {ops.name}): {found[0]}"
+        )
 
 
 def negative_control(weights: Weights, ops: Ops, ctx_len: int, rope, **kw) -> list[str]:
@@ -128,7 +161,13 @@ def negative_control(weights: Weights, ops: Ops, ctx_len: int, rope, **kw) -> li
     return check(weights, ops, ctx_len, rope, **kw)
 
 
-ENV_KEYS = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "NCCL_ALGO", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+ENV_KEYS = (
+    "CUBLAS_WORKSPACE_CONFIG",
+    "CUBLASLT_WORKSPACE_SIZE",
+    "NCCL_ALGO",
+    "GOMP_SPINCOUNT",
+    "OMP_NUM_THREADS",
+)
 
 
 def _driver_version() -> str:
@@ -149,12 +188,27 @@ def numerics_contract(det, model, ctx_len: int, rope) -> dict:
     dev = torch.device(det.device)
     contract = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-        "dtype": str(det.dtype), "ops": det.ops.name, "torch": torch.__version__,
-        "cuda": torch.version.cuda, "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ},
+        "dtype": str(det.dtype),
+        "ops": det.ops.name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ},
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "kernels": {f: getattr(getattr(det.ops, f), "__qualname__", repr(getattr(det.ops, f)))
-                    for f in ("linear", "norm", "attention", "silu", "route", "moe", "linear_add", "silu_mul", "norm_rope")
-                    if getattr(det.ops, f) is not None},
+        "kernels": {
+            f: getattr(getattr(det.ops, f), "__qualname__", repr(getattr(det.ops, f)))
+            for f in (
+                "linear",
+                "norm",
+                "attention",
+                "silu",
+                "route",
+                "moe",
+                "linear_add",
+                "silu_mul",
+                "norm_rope",
+            )
+            if getattr(det.ops, f) is not None
+        },
     }
     if dev.type == "cuda":
         contract["driver"] = _driver_version()
@@ -175,6 +229,9 @@ def numerics_contract(det, model, ctx_len: int, rope) -> dict:
 
         control = dataclasses.replace(control, dtype=det.ops.dtype)
     found = negative_control(weights, control, ctx_len, rope)
-    return {**contract, "preflight": "passed: rows and prefill/decode phases bitwise equal",
-            "gemm_rows_checked": list(ROWS["cuda" if dev.type == "cuda" else "cpu"]),
-            "negative_control": found or ["found nothing: on this device the check may be blind"]}
+    return {
+        **contract,
+        "preflight": "passed: rows and prefill/decode phases bitwise equal",
+        "gemm_rows_checked": list(ROWS["cuda" if dev.type == "cuda" else "cpu"]),
+        "negative_control": found or ["found nothing: on this device the check may be blind"],
+    }

@@ -55,9 +55,34 @@ def chunk_k(k: int) -> int:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_kernel(a, b, c, r, M, N, K, sam, sak, sbe, sbn, sbk, scs, scm, scn, srm, tile_e, tile_lo, tile_hi,
-                 GROUPED: tl.constexpr, SPLIT: tl.constexpr, RESIDUAL: tl.constexpr, CHUNK: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _gemm_kernel(
+    a,
+    b,
+    c,
+    r,
+    M,
+    N,
+    K,
+    sam,
+    sak,
+    sbe,
+    sbn,
+    sbk,
+    scs,
+    scm,
+    scn,
+    srm,
+    tile_e,
+    tile_lo,
+    tile_hi,
+    GROUPED: tl.constexpr,
+    SPLIT: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     """c = a @ b.T (+ r): K summed in chunks of CHUNK, each chunk from zero in BK steps, the chunk sums added in
     order into a zero total. SPLIT: program_id(2) is the chunk, its sum stored (fp32) at c[chunk]; _chunk_sum
     adds them in the same order, so a split call gives every element the bits of an unsplit one."""
@@ -96,8 +121,11 @@ def _gemm_kernel(a, b, c, r, M, N, K, sam, sak, sbe, sbn, sbk, scs, scm, scn, sr
         total += acc
     ok = row_ok & col_ok
     if SPLIT:
-        tl.store(c + tl.program_id(2).to(tl.int64) * scs + rows[:, None].to(tl.int64) * scm + cols[None, :] * scn,
-                 total, mask=ok)
+        tl.store(
+            c + tl.program_id(2).to(tl.int64) * scs + rows[:, None].to(tl.int64) * scm + cols[None, :] * scn,
+            total,
+            mask=ok,
+        )
     else:
         out = total.to(c.dtype.element_ty)
         if RESIDUAL:  # the eager `r + (a @ b.T)`: the gemm rounded, then added in fp32 and rounded
@@ -145,8 +173,13 @@ def tiles_for(m: int, k: int, n: int, sms: int = 132) -> Tiles:
     return Tiles(128, 256, 64, 8, 3)
 
 
-def gemm(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, tiles: Tiles | None = None,
-         split: bool | None = None) -> torch.Tensor:
+def gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
+    split: bool | None = None,
+) -> torch.Tensor:
     """a [M, K] @ w [N, K].T (+ residual [M, N], added as `residual + gemm` would be) -> [M, N] in a's dtype.
 
     Every row gets the same bits whatever M: K is summed in chunk_k(K) chunks, and a call too small to fill the
@@ -165,22 +198,70 @@ def gemm(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
     if split is None:
         split = chunks > 1 and grid[0] * grid[1] < sms
     r = residual if residual is not None else c
-    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != a.dtype):
-        raise ValueError(f"residual must be a row-major [{m}, {n}] {a.dtype}, got {tuple(residual.shape)} "
-                         f"{residual.dtype}")
+    if residual is not None and (
+        residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != a.dtype
+    ):
+        raise ValueError(
+            f"residual must be a row-major [{m}, {n}] {a.dtype}, got {tuple(residual.shape)} {residual.dtype}"
+        )
     kw = dict(CHUNK=chunk, BM=t.bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages)
     if not split:
-        _gemm_kernel[grid](a, w, c, r, m, n, k, a.stride(0), a.stride(1), 0, w.stride(0), w.stride(1), 0,
-                           c.stride(0), c.stride(1), r.stride(0), c, c, c, GROUPED=False, SPLIT=False,
-                           RESIDUAL=residual is not None, **kw)
+        _gemm_kernel[grid](
+            a,
+            w,
+            c,
+            r,
+            m,
+            n,
+            k,
+            a.stride(0),
+            a.stride(1),
+            0,
+            w.stride(0),
+            w.stride(1),
+            0,
+            c.stride(0),
+            c.stride(1),
+            r.stride(0),
+            c,
+            c,
+            c,
+            GROUPED=False,
+            SPLIT=False,
+            RESIDUAL=residual is not None,
+            **kw,
+        )
         return c
     ws = torch.empty(chunks, m, n, dtype=torch.float32, device=a.device)
-    _gemm_kernel[(*grid, chunks)](a, w, ws, ws, m, n, k, a.stride(0), a.stride(1), 0, w.stride(0), w.stride(1),
-                                  ws.stride(0), ws.stride(1), ws.stride(2), 0, c, c, c, GROUPED=False, SPLIT=True,
-                                  RESIDUAL=False, **kw)
+    _gemm_kernel[(*grid, chunks)](
+        a,
+        w,
+        ws,
+        ws,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        0,
+        w.stride(0),
+        w.stride(1),
+        ws.stride(0),
+        ws.stride(1),
+        ws.stride(2),
+        0,
+        c,
+        c,
+        c,
+        GROUPED=False,
+        SPLIT=True,
+        RESIDUAL=False,
+        **kw,
+    )
     block = 1024
-    _chunk_sum_kernel[(triton.cdiv(m * n, block),)](ws, c, r, m * n, n, r.stride(0), S=chunks,
-                                                    RESIDUAL=residual is not None, BLOCK=block, num_warps=4)
+    _chunk_sum_kernel[(triton.cdiv(m * n, block),)](
+        ws, c, r, m * n, n, r.stride(0), S=chunks, RESIDUAL=residual is not None, BLOCK=block, num_warps=4
+    )
     return c
 
 
@@ -209,10 +290,36 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tiles) -> torch.Tensor:
     bn = block_n(n)
     e, lo, hi = tiles
     grid = (e.shape[0], triton.cdiv(n, bn))
-    _gemm_kernel[grid](a, w, c, c, r, n, k, a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), 0,
-                       c.stride(0), c.stride(1), 0, e, lo, hi, GROUPED=True, SPLIT=False, RESIDUAL=False,
-                       CHUNK=triton.cdiv(k, BLOCK_K) * BLOCK_K, BM=BLOCK_M, BN=bn, BK=BLOCK_K, num_warps=4,
-                       num_stages=3)
+    _gemm_kernel[grid](
+        a,
+        w,
+        c,
+        c,
+        r,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        0,
+        c.stride(0),
+        c.stride(1),
+        0,
+        e,
+        lo,
+        hi,
+        GROUPED=True,
+        SPLIT=False,
+        RESIDUAL=False,
+        CHUNK=triton.cdiv(k, BLOCK_K) * BLOCK_K,
+        BM=BLOCK_M,
+        BN=bn,
+        BK=BLOCK_K,
+        num_warps=4,
+        num_stages=3,
+    )
     return c
 
 
@@ -324,7 +431,9 @@ def _norm_rope_kernel(x, w, cos, sin, y, heads, sx1, sx2, sc, eps, D: tl.constex
     nr = (tl.load(w + h * D + dr).to(tl.float32) * (xr * rs).to(dt).to(tl.float32)).to(dt)
     c = tl.load(cos + r1.to(tl.int64) * sc + d).to(tl.float32)
     s = tl.load(sin + r1.to(tl.int64) * sc + d).to(tl.float32)
-    out = ((n.to(tl.float32) * c).to(dt).to(tl.float32) + (nr.to(tl.float32) * s).to(dt).to(tl.float32)).to(dt)
+    out = ((n.to(tl.float32) * c).to(dt).to(tl.float32) + (nr.to(tl.float32) * s).to(dt).to(tl.float32)).to(
+        dt
+    )
     tl.store(y + pid.to(tl.int64) * D + d, out)
 
 
@@ -342,16 +451,30 @@ class _NormRope(torch.autograd.Function):
         ctx.eps = eps
         b, t, heads, d = x.shape
         if w.shape != (heads, d) or d & (d - 1):
-            raise ValueError(f"norm_rope needs per-head weights [{heads}, {d}] and a power-of-two head dim, "
-                             f"got weights {tuple(w.shape)}")
+            raise ValueError(
+                f"norm_rope needs per-head weights [{heads}, {d}] and a power-of-two head dim, "
+                f"got weights {tuple(w.shape)}"
+            )
         if x.stride(-1) != 1 or x.stride(0) != t * x.stride(1):
             x = x.contiguous()
         x3 = x.view(b * t, heads, d)
         c2, s2 = cos.expand(b, t, 1, d).reshape(b * t, d), sin.expand(b, t, 1, d).reshape(b * t, d)
         y = torch.empty(b, t, heads, d, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
         if b * t:
-            _norm_rope_kernel[(b * t * heads,)](x3, w.contiguous(), c2, s2, y, heads, x3.stride(0), x3.stride(1),
-                                                c2.stride(0), eps, D=d, num_warps=1)
+            _norm_rope_kernel[(b * t * heads,)](
+                x3,
+                w.contiguous(),
+                c2,
+                s2,
+                y,
+                heads,
+                x3.stride(0),
+                x3.stride(1),
+                c2.stride(0),
+                eps,
+                D=d,
+                num_warps=1,
+            )
         return y
 
     @staticmethod
@@ -361,7 +484,9 @@ class _NormRope(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def norm_rope(
+    x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """x [B, T, heads, D] (the q/k heads of the qkv output, a strided view), per-head norm weights w [heads, D],
     cos / signed sin [B, T, 1, D] -> rope(rms_norm(x)) [B, T, heads, D], one kernel."""
     return _NormRope.apply(x, w, eps, cos, sin)
@@ -380,19 +505,35 @@ def _rms_kernel(x, w, y, H, rows2, wrows, sx1, sx2, eps, BLOCK: tl.constexpr):
     var = tl.sum(xv * xv, axis=0) / H
     normed = (xv * tl.rsqrt(var + eps)).to(x.dtype.element_ty)
     wv = tl.load(w + (r2 % wrows) * H + cols, mask=m, other=0.0)
-    tl.store(y + row.to(tl.int64) * H + cols, (wv.to(tl.float32) * normed.to(tl.float32)).to(y.dtype.element_ty),
-             mask=m)
+    tl.store(
+        y + row.to(tl.int64) * H + cols,
+        (wv.to(tl.float32) * normed.to(tl.float32)).to(y.dtype.element_ty),
+        mask=m,
+    )
 
 
 def _rms_forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.shape[-1]
-    x3 = x.reshape(-1, x.shape[-2] if x.dim() > 2 else 1, h)  # a view for the q/k heads' slice of the qkv output
+    x3 = x.reshape(
+        -1, x.shape[-2] if x.dim() > 2 else 1, h
+    )  # a view for the q/k heads' slice of the qkv output
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
     wrows = w.numel() // h  # [H] weights: 1; the per-head q/k norms [heads, D]: heads (= x3.shape[1])
-    _rms_kernel[(x3.shape[0] * x3.shape[1],)](x3, w.contiguous(), y, h, x3.shape[1], wrows, x3.stride(0),
-                                              x3.stride(1), eps, BLOCK=triton.next_power_of_2(h), num_warps=4)
+    _rms_kernel[(x3.shape[0] * x3.shape[1],)](
+        x3,
+        w.contiguous(),
+        y,
+        h,
+        x3.shape[1],
+        wrows,
+        x3.stride(0),
+        x3.stride(1),
+        eps,
+        BLOCK=triton.next_power_of_2(h),
+        num_warps=4,
+    )
     return y
 
 
@@ -421,12 +562,42 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["T"])
-def _attn_kernel(q, k, v, o, mask, T, L, Hkv, rep, sqb, sqh, sqt, skb, skh, skl, svb, svh, svl, sob, soh, sot,
-                 smb, sml, scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LP2: tl.constexpr,
-                 DECODE: tl.constexpr):
+def _attn_kernel(
+    q,
+    k,
+    v,
+    o,
+    mask,
+    T,
+    L,
+    Hkv,
+    rep,
+    sqb,
+    sqh,
+    sqt,
+    skb,
+    skh,
+    skl,
+    svb,
+    svh,
+    svl,
+    sob,
+    soh,
+    sot,
+    smb,
+    sml,
+    scale,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    LP2: tl.constexpr,
+    DECODE: tl.constexpr,
+):
     pid_m, bg = tl.program_id(0), tl.program_id(1)
     b, g = bg // Hkv, bg % Hkv
-    rows = pid_m * BM + tl.arange(0, BM)  # row i of the group: position t = i // rep, query head g rep + i % rep
+    rows = pid_m * BM + tl.arange(
+        0, BM
+    )  # row i of the group: position t = i // rep, query head g rep + i % rep
     valid = rows < rep * T
     t = rows // rep
     head = g * rep + rows % rep
@@ -437,8 +608,11 @@ def _attn_kernel(q, k, v, o, mask, T, L, Hkv, rep, sqb, sqh, sqt, skb, skh, skl,
         pos = tl.zeros((BM,), dtype=tl.int32) + (tl.sum(seen, axis=0) - 1)
     else:  # rows at positions 0..T-1 (training, prefill)
         pos = t
-    qt = tl.load(q + b.to(tl.int64) * sqb + head[:, None] * sqh + t[:, None] * sqt + d[None, :],
-                 mask=valid[:, None], other=0.0)
+    qt = tl.load(
+        q + b.to(tl.int64) * sqb + head[:, None] * sqh + t[:, None] * sqt + d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
     m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, D), dtype=tl.float32)
@@ -458,8 +632,11 @@ def _attn_kernel(q, k, v, o, mask, T, L, Hkv, rep, sqb, sqh, sqt, skb, skh, skl,
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(o + b.to(tl.int64) * sob + head[:, None] * soh + t[:, None] * sot + d[None, :],
-             out.to(o.dtype.element_ty), mask=valid[:, None])
+    tl.store(
+        o + b.to(tl.int64) * sob + head[:, None] * soh + t[:, None] * sot + d[None, :],
+        out.to(o.dtype.element_ty),
+        mask=valid[:, None],
+    )
 
 
 def _attention_forward(q, k, v, mask, scale):
@@ -467,15 +644,45 @@ def _attention_forward(q, k, v, mask, scale):
     hkv, length = k.shape[1], k.shape[2]
     rep = h // hkv
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1
-    o = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # [B, H, T, D], rows of D contiguous
+    o = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device).transpose(
+        1, 2
+    )  # [B, H, T, D], rows of D contiguous
     m2 = mask.reshape(mask.shape[0], -1).view(torch.uint8)  # decode: [B or 1, L]
     decode = t == 1
     grid = (triton.cdiv(rep * t, ATTN_BLOCK_M), b * hkv)
-    _attn_kernel[grid](q, k, v, o, m2, t, length, hkv, rep, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
-                       k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1),
-                       o.stride(2), m2.stride(0) if m2.shape[0] > 1 else 0, m2.stride(1), scale, D=d,
-                       BM=ATTN_BLOCK_M, BN=ATTN_BLOCK_N, LP2=triton.next_power_of_2(length), DECODE=decode,
-                       num_warps=4, num_stages=2)
+    _attn_kernel[grid](
+        q,
+        k,
+        v,
+        o,
+        m2,
+        t,
+        length,
+        hkv,
+        rep,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        m2.stride(0) if m2.shape[0] > 1 else 0,
+        m2.stride(1),
+        scale,
+        D=d,
+        BM=ATTN_BLOCK_M,
+        BN=ATTN_BLOCK_N,
+        LP2=triton.next_power_of_2(length),
+        DECODE=decode,
+        num_warps=4,
+        num_stages=2,
+    )
     return o
 
 
@@ -507,7 +714,9 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q (B, H, T, D), k/v (B, Hkv, L, D) -> (B, H, T, D). T > 1: rows at positions 0..T-1, causal (training,
     prefill); T == 1: a decode step at the position where its mask row (B or 1, 1, 1, L) ends."""
     return _Attention.apply(q, k, v, mask, scale)
@@ -525,7 +734,9 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xs, w, offs = ctx.saved_tensors
-        dx, dw = _recompute(lambda xs_, w_: torch._grouped_mm(xs_, w_.transpose(-2, -1), offs=offs), dy, xs, w)
+        dx, dw = _recompute(
+            lambda xs_, w_: torch._grouped_mm(xs_, w_.transpose(-2, -1), offs=offs), dy, xs, w
+        )
         return dx, dw, None, None, None, None
 
 
@@ -537,7 +748,9 @@ def moe(x, top_w, top_i, gate_up, down, linear, silu) -> torch.Tensor:
     flat = top_i.reshape(-1)  # [N k]
     order = torch.argsort(flat, stable=True)  # [N k]
     ends = torch.searchsorted(flat[order], torch.arange(gate_up.shape[0], device=x.device), right=True)  # [E]
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))  # rows per expert (no scatter: see forward.write_slots)
+    counts = torch.diff(
+        ends, prepend=ends.new_zeros(1)
+    )  # rows per expert (no scatter: see forward.write_slots)
     offs = ends.to(torch.int32)
     tiles = tile_map(counts, n * k)
     xs = x[order // k]  # [N k, H]

@@ -44,8 +44,15 @@ class Result:
         return self.request.uid
 
 
-def cut_results(requests: list[Request], tokens: list[list[int]], logprobs: list[list[float]], limit: list[int],
-                room: list[int], stop_token_ids: tuple[int, ...], experts: np.ndarray | None = None) -> list[Result]:
+def cut_results(
+    requests: list[Request],
+    tokens: list[list[int]],
+    logprobs: list[list[float]],
+    limit: list[int],
+    room: list[int],
+    stop_token_ids: tuple[int, ...],
+    experts: np.ndarray | None = None,
+) -> list[Result]:
     """An engine batch's sampled matrices [B, T] -> one Result per request: each row cut at its first stop token
     ("stop"), else at its token limit for this call: "length" when that is all the room it had, else "abort"
     (a budgeted partial-rollout call; it continues later). experts [B, T, layers, k]: the routing, cut alike."""
@@ -55,5 +62,7 @@ def cut_results(requests: list[Request], tokens: list[list[int]], logprobs: list
         row = tokens[i][: limit[i]]
         n = next((j + 1 for j, x in enumerate(row) if x in stop_set), len(row))
         reason = "stop" if n and row[n - 1] in stop_set else "length" if n >= room[i] else "abort"
-        out.append(Result(r, row[:n], logprobs[i][:n], reason, None if experts is None else experts[i, :n].copy()))
+        out.append(
+            Result(r, row[:n], logprobs[i][:n], reason, None if experts is None else experts[i, :n].copy())
+        )
     return out

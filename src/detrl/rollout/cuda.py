@@ -54,10 +54,21 @@ class _Slot:
 
 
 class CudaEngine:
-    def __init__(self, model: torch.nn.Module, ops: Ops, ctx_len: int, params: SamplingParams, seed: int,
-                 max_batch_size: int = 256, fixed_routing: bool = True, device: torch.device | str = "cuda",
-                 dtype: torch.dtype = torch.bfloat16, graphs: bool = True, sync_every: int = 16,
-                 compile: bool | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ops: Ops,
+        ctx_len: int,
+        params: SamplingParams,
+        seed: int,
+        max_batch_size: int = 256,
+        fixed_routing: bool = True,
+        device: torch.device | str = "cuda",
+        dtype: torch.dtype = torch.bfloat16,
+        graphs: bool = True,
+        sync_every: int = 16,
+        compile: bool | None = None,
+    ):
         self.device, self.dtype = torch.device(device), dtype
         self.ops = dataclasses.replace(ops, dtype=None, checkpoint=False)  # the weights are cast already
         self.ctx_len, self.params = ctx_len, params
@@ -121,8 +132,11 @@ class CudaEngine:
             batches = []
             for i, r in indexed:
                 new_group = not batches or r.prompt_uid != batches[-1][-1][1].prompt_uid
-                if not batches or len(batches[-1]) == self.max_batch_size or (
-                        new_group and len(batches[-1]) + self._group_size(requests, i) > self.max_batch_size):
+                if (
+                    not batches
+                    or len(batches[-1]) == self.max_batch_size
+                    or (new_group and len(batches[-1]) + self._group_size(requests, i) > self.max_batch_size)
+                ):
                     batches.append([])
                 batches[-1].append((i, r))
         done: list[Result] = []
@@ -154,7 +168,9 @@ class CudaEngine:
         b = len(requests)
         ctxs = [r.prompt_ids + r.prefix for r in requests]
         room = [p.max_new_tokens - len(r.prefix) for r in requests]
-        limit = [min(m, r.max_new_tokens) if r.max_new_tokens is not None else m for m, r in zip(room, requests)]
+        limit = [
+            min(m, r.max_new_tokens) if r.max_new_tokens is not None else m for m, r in zip(room, requests)
+        ]
         seeded = [r.seed is not None for r in requests]
         if any(seeded) and not all(seeded):
             raise ValueError("a batch mixes seeded and unseeded requests")
@@ -177,8 +193,11 @@ class CudaEngine:
         stops = torch.tensor(p.stop_token_ids or (-1,), dtype=torch.long)
         s.stops.fill_(-1)
         s.stops[: len(stops)].copy_(stops)
-        s.last.copy_(model_forward(self.weights, prompts, self.ops, self.ctx_len, self.rope, cache=s.cache,
-                                   last=lens - 1))
+        s.last.copy_(
+            model_forward(
+                self.weights, prompts, self.ops, self.ctx_len, self.rope, cache=s.cache, last=lens - 1
+            )
+        )
         s.pos.copy_(lens)
         s.t.zero_()
         s.stopped.zero_()
@@ -202,10 +221,33 @@ class CudaEngine:
         """One decode step on the slot's static buffers: sample from s.last, record, forward the token."""
 
         def step() -> None:
-            tok = self._sample(p.temperature, p.top_p, seeded, s.last, s.pos, s.t, s.key, s.limit, s.stops,
-                               s.stopped, s.done, s.tokens, s.logps)
-            s.last.copy_(model_forward(self.weights, tok[:, None], self.ops, self.ctx_len, self.rope, cache=s.cache,
-                                       positions=s.pos[:, None], stages=self._stages)[:, 0])
+            tok = self._sample(
+                p.temperature,
+                p.top_p,
+                seeded,
+                s.last,
+                s.pos,
+                s.t,
+                s.key,
+                s.limit,
+                s.stops,
+                s.stopped,
+                s.done,
+                s.tokens,
+                s.logps,
+            )
+            s.last.copy_(
+                model_forward(
+                    self.weights,
+                    tok[:, None],
+                    self.ops,
+                    self.ctx_len,
+                    self.rope,
+                    cache=s.cache,
+                    positions=s.pos[:, None],
+                    stages=self._stages,
+                )[:, 0]
+            )
             s.pos.add_(1).clamp_(max=self.ctx_len - 1)  # idle rows never pass the cache's end
 
         return step
@@ -236,13 +278,17 @@ class CudaEngine:
             self._slots[bb] = _Slot(
                 cache=KVCache.empty(c, bb, self.ctx_len, self.dtype, dev),
                 last=torch.zeros(bb, c.vocab_size, dtype=self.dtype, **z),
-                pos=torch.zeros(bb, dtype=torch.long, **z), t=torch.zeros(1, dtype=torch.long, **z),
-                key=torch.zeros(bb, dtype=torch.long, **z), limit=torch.zeros(bb, dtype=torch.long, **z),
+                pos=torch.zeros(bb, dtype=torch.long, **z),
+                t=torch.zeros(1, dtype=torch.long, **z),
+                key=torch.zeros(bb, dtype=torch.long, **z),
+                limit=torch.zeros(bb, dtype=torch.long, **z),
                 stops=torch.full((max(1, len(self.params.stop_token_ids)),), -1, dtype=torch.long, **z),
-                stopped=torch.zeros(bb, dtype=torch.bool, **z), done=torch.zeros((), dtype=torch.bool, **z),
+                stopped=torch.zeros(bb, dtype=torch.bool, **z),
+                done=torch.zeros((), dtype=torch.bool, **z),
                 tokens=torch.zeros(bb, self.params.max_new_tokens, dtype=torch.long, **z),
                 logps=torch.zeros(bb, self.params.max_new_tokens, dtype=torch.float32, **z),
-                graphs={})
+                graphs={},
+            )
         return self._slots[bb]
 
 
@@ -259,8 +305,22 @@ def _draw(logp: torch.Tensor, pos, key, seeded: bool, top_p: float) -> torch.Ten
     return sample(logp, noise, top_p)  # [B]
 
 
-def _sample_step(temperature: float, top_p: float, seeded: bool, last, pos, t, key, limit, stops, stopped, done,
-                 tokens, logps, draw=_draw) -> torch.Tensor:
+def _sample_step(
+    temperature: float,
+    top_p: float,
+    seeded: bool,
+    last,
+    pos,
+    t,
+    key,
+    limit,
+    stops,
+    stopped,
+    done,
+    tokens,
+    logps,
+    draw=_draw,
+) -> torch.Tensor:
     """Sample the token at `pos` from `last` [B, V], record it and its logprob at column t, update the stop
     flags. Every tensor argument is a static buffer, updated in place (graph-capturable, no host sync)."""
     logp = log_probs(last, temperature)  # [B, V] float32

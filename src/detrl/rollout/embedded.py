@@ -32,17 +32,28 @@ from detrl.rollout.base import Request, Result, SamplingParams, cut_results
 from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
 
 _NOISE_CHUNK = 16  # decode steps whose sampling noise is drawn at once ...
-_NOISE_ELEMENTS = 2**22  # ... while [B, steps, V] stays under this many values (a real vocab: 1 step at a time)
+_NOISE_ELEMENTS = (
+    2**22
+)  # ... while [B, steps, V] stays under this many values (a real vocab: 1 step at a time)
 _POLL_S = 1.0  # how often a waiting engine checks that its workers are alive
 
 
 class Sampler:
     """One replica's batch sampler: the shared weights, the ops, a stream for unseeded requests."""
 
-    def __init__(self, weights: Weights, ops: Ops, ctx_len: int, params: SamplingParams,
-                 generator: torch.Generator | None, abort):
+    def __init__(
+        self,
+        weights: Weights,
+        ops: Ops,
+        ctx_len: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        abort,
+    ):
         self.weights, self.ops, self.ctx_len, self.params = weights, ops, ctx_len, params
-        self.rope = rope_tables(weights.config, ctx_len, dtype=weights.embed.dtype)  # the trainer's: the compute dtype
+        self.rope = rope_tables(
+            weights.config, ctx_len, dtype=weights.embed.dtype
+        )  # the trainer's: the compute dtype
         self.generator = generator
         self.abort = abort  # set: a running batch stops at its next token
 
@@ -59,7 +70,9 @@ class Sampler:
         ctxs = [r.prompt_ids + r.prefix for r in requests]
         lens = torch.tensor([len(c) for c in ctxs])  # [B]
         room = [p.max_new_tokens - len(r.prefix) for r in requests]  # tokens left before "length"
-        limit = [min(m, r.max_new_tokens) if r.max_new_tokens is not None else m for m, r in zip(room, requests)]
+        limit = [
+            min(m, r.max_new_tokens) if r.max_new_tokens is not None else m for m, r in zip(room, requests)
+        ]
         _check_fits(requests, p, self.ctx_len)
         prompts = torch.zeros(b, int(lens.max()), dtype=torch.long)  # right-padded [B, P]
         for i, c in enumerate(ctxs):
@@ -71,13 +84,18 @@ class Sampler:
         stops = torch.tensor(p.stop_token_ids) if p.stop_token_ids else None
 
         cache = KVCache.empty(self.weights.config, b, self.ctx_len, self.weights.embed.dtype)
-        last, ids = forward(self.weights, prompts, self.ops, self.ctx_len, self.rope, cache=cache, last=lens - 1,
-                            routes=True)  # [B, V]; MoE: [B, P, layers, k] (dense: None)
-        route = None if ids is None else ids[torch.arange(b), lens - 1]  # [B, layers, k]: the pass sampling next
+        last, ids = forward(
+            self.weights, prompts, self.ops, self.ctx_len, self.rope, cache=cache, last=lens - 1, routes=True
+        )  # [B, V]; MoE: [B, P, layers, k] (dense: None)
+        route = (
+            None if ids is None else ids[torch.arange(b), lens - 1]
+        )  # [B, layers, k]: the pass sampling next
         steps = max(limit)
         tokens = torch.empty(b, max(steps, 1), dtype=torch.long)  # [B, T]
         logps = torch.empty(b, max(steps, 1))
-        experts = None if route is None else torch.empty(b, max(steps, 1), *route.shape[1:], dtype=torch.int16)
+        experts = (
+            None if route is None else torch.empty(b, max(steps, 1), *route.shape[1:], dtype=torch.int16)
+        )
         stopped = torch.zeros(b, dtype=torch.bool)  # rows that sampled a stop token
         finished_by = torch.tensor(limit)  # [B] row i is finished after step t once t + 1 >= limit[i]
         sampled = 0  # steps run
@@ -101,12 +119,27 @@ class Sampler:
                 stopped |= torch.isin(tok, stops)
                 if bool((stopped | (finished_by <= sampled)).all()):
                     break
-            last, ids = forward(self.weights, tok[:, None], self.ops, self.ctx_len, self.rope, cache=cache,
-                                positions=(lens + t)[:, None], routes=True)
+            last, ids = forward(
+                self.weights,
+                tok[:, None],
+                self.ops,
+                self.ctx_len,
+                self.rope,
+                cache=cache,
+                positions=(lens + t)[:, None],
+                routes=True,
+            )
             last, route = last[:, 0], None if ids is None else ids[:, 0]
         tok_mat, lp_mat = tokens[:, :sampled].tolist(), logps[:, :sampled].tolist()  # [B, T]: one copy out
-        return cut_results(requests, tok_mat, lp_mat, limit, room, p.stop_token_ids,
-                           None if experts is None else experts[:, :sampled].numpy())
+        return cut_results(
+            requests,
+            tok_mat,
+            lp_mat,
+            limit,
+            room,
+            p.stop_token_ids,
+            None if experts is None else experts[:, :sampled].numpy(),
+        )
 
     def _noise(self, seeds: torch.Tensor | None, positions: torch.Tensor, steps: int) -> torch.Tensor:
         """Gumbel noise [B, steps, V] for the tokens at `positions` [B] onward. Seeded: a hash of (seed,
@@ -117,8 +150,17 @@ class Sampler:
         return stream_gumbel(self.generator, (positions.shape[0], steps), vocab)
 
 
-def _serve(worker: int, sampler: Sampler, tasks, inbox, outbox, max_batch_size: int, window_s: float,
-           parent: int, deterministic: bool) -> None:
+def _serve(
+    worker: int,
+    sampler: Sampler,
+    tasks,
+    inbox,
+    outbox,
+    max_batch_size: int,
+    window_s: float,
+    parent: int,
+    deterministic: bool,
+) -> None:
     """A worker process: run what is routed to it until told to stop (None).
 
     Fixed routing: `tasks` brings (call, stream seed, params, [(batch no, [(index, request)])]). Dynamic:
@@ -127,7 +169,9 @@ def _serve(worker: int, sampler: Sampler, tasks, inbox, outbox, max_batch_size: 
     (a forked worker would otherwise keep that process's sockets open, e.g. a killed server's port).
     """
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(deterministic)  # determinism.torch_algorithms, as in the engine's process
+    torch.use_deterministic_algorithms(
+        deterministic
+    )  # determinism.torch_algorithms, as in the engine's process
     torch.utils.deterministic.fill_uninitialized_memory = False
     sampler.generator = torch.Generator()
     current, carry = None, None
@@ -141,8 +185,17 @@ def _serve(worker: int, sampler: Sampler, tasks, inbox, outbox, max_batch_size: 
     def run(call, items) -> None:
         try:
             results = sampler.run_batch([r for _, r in items])
-            outbox.put((call, worker, "batch", [(i, r.tokens, r.logprobs, r.finish_reason, r.routed_experts)
-                                                for (i, _), r in zip(items, results)]))
+            outbox.put(
+                (
+                    call,
+                    worker,
+                    "batch",
+                    [
+                        (i, r.tokens, r.logprobs, r.finish_reason, r.routed_experts)
+                        for (i, _), r in zip(items, results)
+                    ],
+                )
+            )
         except Exception:  # noqa: BLE001 - the engine raises it
             outbox.put((call, worker, "error", traceback.format_exc()))
 
@@ -198,23 +251,38 @@ class EmbeddedEngine:
     collected, or at exit).
     """
 
-    def __init__(self, model: torch.nn.Module, ops: Ops, ctx_len: int, params: SamplingParams, seed: int,
-                 num_workers: int = 1, max_batch_size: int = 64, fixed_routing: bool = True,
-                 batch_window_s: float = 0.0005):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ops: Ops,
+        ctx_len: int,
+        params: SamplingParams,
+        seed: int,
+        num_workers: int = 1,
+        max_batch_size: int = 64,
+        fixed_routing: bool = True,
+        batch_window_s: float = 0.0005,
+    ):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}: need at least 1")
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         self.ops, self.ctx_len, self.params = ops, ctx_len, params
         self.num_workers, self.max_batch_size, self.fixed_routing = num_workers, max_batch_size, fixed_routing
         self.batch_window_s = batch_window_s
-        self.deterministic = torch.are_deterministic_algorithms_enabled()  # set by determinism.setup; workers copy it
+        self.deterministic = (
+            torch.are_deterministic_algorithms_enabled()
+        )  # set by determinism.setup; workers copy it
         # the weights the workers read: shared memory, overwritten in place at each sync
         # in the compute dtype (ops.dtype: bf16 copies of float32 masters), as the trainer's forward fuses them
         self.weights = fuse(self.model, ops.dtype).map(lambda t: t.detach().clone().share_memory_())
         self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)
         self._ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-        self._abort = self._ctx.Event()  # set: running batches stop at their next token, queued ones are not run
-        self.sampler = Sampler(self.weights, ops, ctx_len, params, torch.Generator().manual_seed(seed), self._abort)
+        self._abort = (
+            self._ctx.Event()
+        )  # set: running batches stop at their next token, queued ones are not run
+        self.sampler = Sampler(
+            self.weights, ops, ctx_len, params, torch.Generator().manual_seed(seed), self._abort
+        )
         self.batch_log: list[tuple[int, tuple[tuple[int, int], ...]]] = []  # (worker, uids) per batch run
         self._procs: list = []
         self._call = 0
@@ -243,10 +311,21 @@ class EmbeddedEngine:
         for w in range(self.num_workers):
             sampler = Sampler(self.weights, self.ops, self.ctx_len, self.params, None, self._abort)
             tasks = self._tasks[w] if self._tasks else None
-            p = self._ctx.Process(target=_serve, args=(w, sampler, tasks, self._inbox, self._outbox,
-                                                       self.max_batch_size, self.batch_window_s, os.getpid(),
-                                                       self.deterministic),
-                                  daemon=True)
+            p = self._ctx.Process(
+                target=_serve,
+                args=(
+                    w,
+                    sampler,
+                    tasks,
+                    self._inbox,
+                    self._outbox,
+                    self.max_batch_size,
+                    self.batch_window_s,
+                    os.getpid(),
+                    self.deterministic,
+                ),
+                daemon=True,
+            )
             p.start()
             self._procs.append(p)
         self._finalizer = weakref.finalize(self, _shutdown, list(self._procs), self._tasks, self._inbox)
@@ -276,7 +355,11 @@ class EmbeddedEngine:
         else:  # requests arrive one prompt group at a time (at most a batch each)
             groups: list[list] = []
             for i, r in indexed:
-                if not groups or r.prompt_uid != groups[-1][-1][1].prompt_uid or len(groups[-1]) == self.max_batch_size:
+                if (
+                    not groups
+                    or r.prompt_uid != groups[-1][-1][1].prompt_uid
+                    or len(groups[-1]) == self.max_batch_size
+                ):
                     groups.append([])
                 groups[-1].append((i, r))
             for g in groups:

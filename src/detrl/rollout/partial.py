@@ -20,7 +20,9 @@ class Sample:
     request: Request  # the original request: uid, prompt, sampling seed
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # policy version (updates done) that produced each token
+    versions: list[int] = field(
+        default_factory=list
+    )  # policy version (updates done) that produced each token
     finish: str | None = None  # "stop" | "length"; None while unfinished
     routed_experts: np.ndarray | None = None  # MoE [len(tokens), layers, k]: each call's rows, concatenated
 
@@ -34,7 +36,9 @@ class Sample:
         self.versions += [version] * len(result.tokens)
         if result.routed_experts is not None:
             prev = self.routed_experts
-            self.routed_experts = result.routed_experts if prev is None else np.concatenate([prev, result.routed_experts])
+            self.routed_experts = (
+                result.routed_experts if prev is None else np.concatenate([prev, result.routed_experts])
+            )
         if result.finish_reason != "abort":
             self.finish = result.finish_reason
 
@@ -42,7 +46,9 @@ class Sample:
         self.tokens, self.logprobs, self.versions, self.finish, self.routed_experts = [], [], [], None, None
 
     def as_result(self) -> Result:
-        return Result(self.request, list(self.tokens), list(self.logprobs), self.finish or "abort", self.routed_experts)
+        return Result(
+            self.request, list(self.tokens), list(self.logprobs), self.finish or "abort", self.routed_experts
+        )
 
 
 @dataclass

@@ -23,7 +23,10 @@ class RankEngine:
 
         self.engine, self.det, self.dist = engine, det, distributed
         self.world, self.rank = distributed.world_size(), distributed.rank()
-        self._prefix, self._call = f"detrl/rollout/{next(_RANK_ENGINES)}", 0  # store keys: unique per engine, call
+        self._prefix, self._call = (
+            f"detrl/rollout/{next(_RANK_ENGINES)}",
+            0,
+        )  # store keys: unique per engine, call
         if self.rank:  # off: each rank's engine its own stream (unseeded requests), as separate replicas
             engine.generator.manual_seed(det.seed + self.rank)
 
@@ -56,7 +59,9 @@ class RankEngine:
         else:
             size = max(1, -(-len(groups) // (2 * self.world)))  # about two claims per rank
             counter = f"{self._prefix}/{self._call}"
-            while (c := self.dist.store().add(counter, 1) - 1) * size < len(groups):  # claim, generate, repeat
+            while (c := self.dist.store().add(counter, 1) - 1) * size < len(
+                groups
+            ):  # claim, generate, repeat
                 self._run(requests, [i for g in groups[c * size : (c + 1) * size] for i in g], done)
         gathered = sorted(x for part in self.dist.all_gather_object(done) for x in part)
         if owners is not None:  # submission order
@@ -67,6 +72,12 @@ class RankEngine:
         results = self.engine.generate([requests[i] for i in idx])
         t = time.time()
         pos = {id(requests[i]): i for i in idx}
-        done += [(t, self.rank, len(done) + j,
-                  (pos[id(r.request)], r.tokens, r.logprobs, r.finish_reason, r.routed_experts))
-                 for j, r in enumerate(results)]
+        done += [
+            (
+                t,
+                self.rank,
+                len(done) + j,
+                (pos[id(r.request)], r.tokens, r.logprobs, r.finish_reason, r.routed_experts),
+            )
+            for j, r in enumerate(results)
+        ]

@@ -33,8 +33,9 @@ def seed_key(seeds: torch.Tensor) -> torch.Tensor:
     return _mix32(_mix32(seeds & _M32) ^ _mix32((seeds >> 32) & _M32 ^ 0x9E3779B9))
 
 
-def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, key: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+def hashed_uniform(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab: int, key: torch.Tensor | None = None
+) -> torch.Tensor:
     """U(0,1) [B, (T,) V] (float64) from (seed [B] int64, position [B] or [B, T] int64, vocab id)."""
     s = seed_key(seeds) if key is None else key  # [B]
     if positions.dim() == 2:
@@ -58,8 +59,9 @@ def gumbel(u: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def hashed_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, key: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+def hashed_gumbel(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab: int, key: torch.Tensor | None = None
+) -> torch.Tensor:
     return gumbel(hashed_uniform(seeds, positions, vocab, key))
 
 

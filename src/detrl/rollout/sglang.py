@@ -38,8 +38,13 @@ from detrl.rollout.base import Request, Result, SamplingParams
 
 # ServerArgs --dtype values (arg_groups/fields/model.py) -> torch dtype; "auto" serves float32 checkpoints as float16
 # (configs/model_config.py `_get_and_verify_dtype`)
-_DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32,
-           "float32": torch.float32}
+_DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
 
 
 class ServerError(RuntimeError):
@@ -87,21 +92,36 @@ def save_weights(state_dict: dict[str, torch.Tensor], directory: Path) -> Path:
 
 
 class SGLangEngine:
-    def __init__(self, urls: list[str], params: SamplingParams, fixed_routing: bool, max_batch_size: int = 64,
-                 timeout_s: float = 120.0, retries: int = 3, backoff_s: float = 0.5, health_timeout_s: float = 60.0,
-                 procs: list | None = None, deterministic: bool | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        urls: list[str],
+        params: SamplingParams,
+        fixed_routing: bool,
+        max_batch_size: int = 64,
+        timeout_s: float = 120.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        health_timeout_s: float = 60.0,
+        procs: list | None = None,
+        deterministic: bool | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         if not urls:
             raise ValueError("rollout.sglang.urls is empty")
         self.procs = list(procs or [])  # servers we launched: shut down by close()
         self.urls = [u.rstrip("/") for u in urls]
         self.params, self.fixed_routing, self.max_batch_size = params, fixed_routing, max_batch_size
-        self.deterministic = fixed_routing if deterministic is None else deterministic  # the run's determinism
+        self.deterministic = (
+            fixed_routing if deterministic is None else deterministic
+        )  # the run's determinism
         self.dtype = dtype  # the policy's dtype: the servers must serve it (None: not checked)
         self.retries, self.backoff_s = retries, backoff_s
         self.client = httpx.Client(timeout=timeout_s)
         self.generator = torch.Generator()  # no shared stream on this side: kept for the checkpoint format
         self._weights_dir = Path(tempfile.mkdtemp(prefix="detrl-weights-"))
-        self._remove_weights = weakref.finalize(self, shutil.rmtree, str(self._weights_dir), True)  # also at exit
+        self._remove_weights = weakref.finalize(
+            self, shutil.rmtree, str(self._weights_dir), True
+        )  # also at exit
         self._version = 0
         try:
             for url in self.urls:
@@ -121,7 +141,9 @@ class SGLangEngine:
                 pass
             time.sleep(0.2)
             if any(p.poll() is not None for p in self.procs):
-                raise ServerError(f"rollout server {url} exited while starting (see its sglang-*.log in the run dir)")
+                raise ServerError(
+                    f"rollout server {url} exited while starting (see its sglang-*.log in the run dir)"
+                )
         raise ServerError(f"rollout server {url} is not healthy after {timeout_s:.0f} s (/health_generate)")
 
     def _check_server(self, url: str) -> None:
@@ -136,23 +158,33 @@ class SGLangEngine:
                 info = resp.json()
                 break
         if info is None:
-            raise ServerError(f"rollout server {url} answers neither /server_info nor /get_server_info: "
-                              "cannot check its enable_deterministic_inference")
+            raise ServerError(
+                f"rollout server {url} answers neither /server_info nor /get_server_info: "
+                "cannot check its enable_deterministic_inference"
+            )
         server_det = bool(info.get("enable_deterministic_inference", False))
         if self.deterministic and not server_det:
-            raise ServerError(f"rollout server {url} runs without --enable-deterministic-inference, so it ignores "
-                              "sampling_seed, but determinism=on: relaunch it with the flag (or train with "
-                              "determinism=off)")
+            raise ServerError(
+                f"rollout server {url} runs without --enable-deterministic-inference, so it ignores "
+                "sampling_seed, but determinism=on: relaunch it with the flag (or train with "
+                "determinism=off)"
+            )
         if not self.deterministic and server_det:
-            raise ServerError(f"rollout server {url} runs with --enable-deterministic-inference, which gives every "
-                              "unseeded request sampling_seed 42 (n identical samples per prompt), but "
-                              "determinism=off: relaunch it without the flag (or train with determinism=on)")
+            raise ServerError(
+                f"rollout server {url} runs with --enable-deterministic-inference, which gives every "
+                "unseeded request sampling_seed 42 (n identical samples per prompt), but "
+                "determinism=off: relaunch it without the flag (or train with determinism=on)"
+            )
         served = str(info.get("dtype", "auto")).lower()
         want = self.dtype
-        if want is not None and (_DTYPES.get(served, want) != want or (served == "auto" and want == torch.float32)):
+        if want is not None and (
+            _DTYPES.get(served, want) != want or (served == "auto" and want == torch.float32)
+        ):
             name = str(want).removeprefix("torch.")
-            raise ServerError(f"rollout server {url} serves dtype {served!r} but the policy is {name} (SGLang's "
-                              f"'auto' serves a float32 checkpoint as float16): relaunch it with --dtype {name}")
+            raise ServerError(
+                f"rollout server {url} serves dtype {served!r} but the policy is {name} (SGLang's "
+                f"'auto' serves a float32 checkpoint as float16): relaunch it with --dtype {name}"
+            )
 
     def _call(self, method: str, url: str, path: str, **kw):
         """One JSON call, retried on connection errors and 5xx; a 4xx raises with the server's message."""
@@ -166,8 +198,10 @@ class SGLangEngine:
                 if resp.status_code < 400:
                     return resp.json() if resp.content else None
                 if resp.status_code < 500:
-                    raise ServerError(f"rollout server {url}{path} refused the request "
-                                      f"(HTTP {resp.status_code}): {_message(resp)}")
+                    raise ServerError(
+                        f"rollout server {url}{path} refused the request "
+                        f"(HTTP {resp.status_code}): {_message(resp)}"
+                    )
                 last = f"HTTP {resp.status_code}: {_message(resp)}"
             time.sleep(self.backoff_s * 2**attempt)
         raise ServerError(f"rollout server {url} failed {self.retries + 1} times on {path}: {last}")
@@ -178,18 +212,26 @@ class SGLangEngine:
         sps = []
         for r in batch:
             budget = p.max_new_tokens - len(r.prefix)
-            sp = {"temperature": p.temperature, "top_p": p.top_p, "stop_token_ids": list(p.stop_token_ids),
-                  "max_new_tokens": min(budget, r.max_new_tokens) if r.max_new_tokens is not None else budget,
-                  "skip_special_tokens": False, "no_stop_trim": True}
+            sp = {
+                "temperature": p.temperature,
+                "top_p": p.top_p,
+                "stop_token_ids": list(p.stop_token_ids),
+                "max_new_tokens": min(budget, r.max_new_tokens) if r.max_new_tokens is not None else budget,
+                "skip_special_tokens": False,
+                "no_stop_trim": True,
+            }
             if r.seed is not None:
                 sp["sampling_seed"] = r.seed
             sps.append(sp)
         # SGLang's abort matches rids by prefix (scheduler.py abort_request: rid.startswith): a fixed-length
         # suffix keeps one rid from being the prefix of another
         attempt = uuid.uuid4().hex
-        return {"input_ids": [list(r.prompt_ids + r.prefix) for r in batch], "sampling_params": sps,
-                "return_logprob": True,
-                "rid": [f"{r.prompt_uid}-{r.sample_index}-{len(r.prefix)}-{attempt}" for r in batch]}
+        return {
+            "input_ids": [list(r.prompt_ids + r.prefix) for r in batch],
+            "sampling_params": sps,
+            "return_logprob": True,
+            "rid": [f"{r.prompt_uid}-{r.sample_index}-{len(r.prefix)}-{attempt}" for r in batch],
+        }
 
     def _abort(self, url: str, rids: list[str]) -> None:
         """Best effort: free the rids of an attempt we gave up on (one AbortReq per rid, io_struct.py AbortReq)."""
@@ -205,14 +247,18 @@ class SGLangEngine:
         for r, item in zip(batch, out, strict=True):
             meta = item["meta_info"]
             fr = meta.get("finish_reason")
-            kind = fr.get("type") if isinstance(fr, dict) else fr  # SGLang: {"type", "matched" | "length" | "message"}
+            kind = (
+                fr.get("type") if isinstance(fr, dict) else fr
+            )  # SGLang: {"type", "matched" | "length" | "message"}
             if kind == "abort":
                 return [], _one_line(fr.get("message", "aborted") if isinstance(fr, dict) else "aborted")
             toks = [t for _, t, _ in meta["output_token_logprobs"]]
             lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
             if toks != item["output_ids"]:
-                raise ServerError(f"rollout server answered rid {meta.get('id')} with output_ids that its "
-                                  "output_token_logprobs do not list")
+                raise ServerError(
+                    f"rollout server answered rid {meta.get('id')} with output_ids that its "
+                    "output_token_logprobs do not list"
+                )
             if kind == "stop":
                 reason = "stop"
             elif kind == "length":
@@ -241,8 +287,10 @@ class SGLangEngine:
                         return results
                     last = f"the server aborted the request: {aborted}"
                 elif resp.status_code < 500:
-                    raise ServerError(f"rollout server {url}/generate refused the request "
-                                      f"(HTTP {resp.status_code}): {_message(resp)}")
+                    raise ServerError(
+                        f"rollout server {url}/generate refused the request "
+                        f"(HTTP {resp.status_code}): {_message(resp)}"
+                    )
                 else:
                     last = f"HTTP {resp.status_code}: {_message(resp)}"
             time.sleep(self.backoff_s * 2**attempt)
@@ -251,7 +299,9 @@ class SGLangEngine:
     def generate(self, requests: list[Request], stop_when=None) -> list[Result]:
         if stop_when is not None:
             raise ValueError("the SGLang backend cuts partial rollouts by token budget (determinism=on)")
-        batches = [requests[i : i + self.max_batch_size] for i in range(0, len(requests), self.max_batch_size)]
+        batches = [
+            requests[i : i + self.max_batch_size] for i in range(0, len(requests), self.max_batch_size)
+        ]
         targets = [self.urls[j % len(self.urls)] for j in range(len(batches))]
         with ThreadPoolExecutor(len(self.urls)) as pool:
             parts = list(pool.map(self._run, targets, batches))
@@ -263,11 +313,20 @@ class SGLangEngine:
         self._version += 1
         save_weights(state_dict, self._weights_dir)
         for url in self.urls:
-            res = self._call("POST", url, "/update_weights_from_disk",
-                             json={"model_path": str(self._weights_dir), "flush_cache": True,
-                                   "weight_version": str(self._version)})
+            res = self._call(
+                "POST",
+                url,
+                "/update_weights_from_disk",
+                json={
+                    "model_path": str(self._weights_dir),
+                    "flush_cache": True,
+                    "weight_version": str(self._version),
+                },
+            )
             if not (res or {}).get("success", False):
-                raise ServerError(f"rollout server {url} could not load the weights: {_one_line((res or {}).get('message'))}")
+                raise ServerError(
+                    f"rollout server {url} could not load the weights: {_one_line((res or {}).get('message'))}"
+                )
 
     def close(self) -> None:
         """Also on errors and Ctrl-C (the trainer calls it in `finally`): stop the servers we launched and

@@ -17,8 +17,10 @@ from pathlib import Path
 
 from detrl.config import ConfigError
 
-INSTALL_HINT = ("rollout=sglang needs SGLang to launch servers: on a GPU machine `pip install -e '.[sglang]'`; "
-                "or attach to running servers with rollout.sglang.urls=[http://host:port]")
+INSTALL_HINT = (
+    "rollout=sglang needs SGLang to launch servers: on a GPU machine `pip install -e '.[sglang]'`; "
+    "or attach to running servers with rollout.sglang.urls=[http://host:port]"
+)
 
 
 # torch dtype -> SGLang's --dtype choice (arg_groups/fields/model.py ServerArgs.dtype)
@@ -31,16 +33,35 @@ def sglang_dtype(dtype) -> str:
     try:
         return SGLANG_DTYPES[str(dtype)]
     except KeyError:
-        raise ConfigError(f"rollout=sglang cannot serve a policy in {dtype}: SGLang's --dtype is one of "
-                          f"{sorted(set(SGLANG_DTYPES.values()))}") from None
+        raise ConfigError(
+            f"rollout=sglang cannot serve a policy in {dtype}: SGLang's --dtype is one of "
+            f"{sorted(set(SGLANG_DTYPES.values()))}"
+        ) from None
 
 
-def server_argv(model_path: str, port: int, seed: int, deterministic: bool, attention_backend: str,
-                tp_size: int = 1, rl_on_policy_target: bool = False, extra: list[str] | None = None,
-                dtype: str | None = None) -> list[str]:
+def server_argv(
+    model_path: str,
+    port: int,
+    seed: int,
+    deterministic: bool,
+    attention_backend: str,
+    tp_size: int = 1,
+    rl_on_policy_target: bool = False,
+    extra: list[str] | None = None,
+    dtype: str | None = None,
+) -> list[str]:
     """`python -m sglang.launch_server` arguments for one server; `deterministic` adds SGLang's own switch,
     `dtype` (see `sglang_dtype`) the served dtype."""
-    argv = ["--model-path", model_path, "--port", str(port), "--random-seed", str(seed), "--tp-size", str(tp_size)]
+    argv = [
+        "--model-path",
+        model_path,
+        "--port",
+        str(port),
+        "--random-seed",
+        str(seed),
+        "--tp-size",
+        str(tp_size),
+    ]
     if dtype is not None:
         argv += ["--dtype", dtype]
     if deterministic:
@@ -73,7 +94,9 @@ def check_server_args(argv: list[str]):
         msg = err.getvalue().strip().splitlines()[-1:] or [str(e)]
         raise ConfigError(f"SGLang {version} rejects the launch arguments: {msg[0]}") from e
     if unknown:
-        raise ConfigError(f"SGLang {version} has no server argument {unknown[0]!r} (from {' '.join(unknown)})")
+        raise ConfigError(
+            f"SGLang {version} has no server argument {unknown[0]!r} (from {' '.join(unknown)})"
+        )
     try:
         return ServerArgs.from_cli_args(args)
     except Exception as e:  # noqa: BLE001 - SGLang's own validation, reported in one line
@@ -87,5 +110,6 @@ def launch(argv: list[str], log_path: Path, gpu_ids: list[int] | None = None) ->
     if gpu_ids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
     log = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-    return subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *argv], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "sglang.launch_server", *argv], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
