@@ -37,12 +37,17 @@ class PreflightError(ConfigError):
 
 
 ROWS = {
-    "cuda": (*range(1, 18), 23, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 257, 299, 300),
+    "cuda": (
+        *range(1, 18),
+        *(23, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 257, 299, 300),
+        *(511, 512, 513, 1023, 1024, 1025, 2055),  # the decode buckets above 300, and mid-size tiles
+    ),
     "cpu": (1, 5, 16, 17, 33),
 }  # cheap on the CPU: the CPU tests run it
-# rows of the reference call the spread is compared with: on CUDA past 1024, where the invariant gemm launches the
-# training-size tiles (triton_ops.tiles_for), so the decode-size and training-size launches are compared too
-REFERENCE_ROWS = {"cuda": 2055, "cpu": max(ROWS["cpu"]) + 7}
+# rows of the reference call the spread is compared with. On CUDA it must launch every gemm shape unsplit with the
+# training-size tiles (as training batches run), while the small calls of the spread run split-K: 4,480 rows fill
+# 132 SMs for every N >= 128 (triton_ops.splits; tested on the presets' shapes), so both launch paths are compared
+REFERENCE_ROWS = {"cuda": 4480, "cpu": max(ROWS["cpu"]) + 7}
 
 
 def gemm_shapes(weights: Weights) -> dict[str, torch.Tensor]:
@@ -216,6 +221,10 @@ def numerics_contract(det, model, ctx_len: int, rope) -> dict:
         import triton
 
         contract["triton"] = triton.__version__
+        if dev.type == "cuda":
+            from detrl.models.triton_ops import LAUNCH
+
+            contract["triton_launch"] = dict(LAUNCH)  # pinned on every launch (the bits depend on it)
     except ImportError:
         pass
     if not det.invariant_kernels:

@@ -160,6 +160,18 @@ def _sms(device: torch.device) -> int:
     return _SMS[device.index]
 
 
+# Triton's default for fusing a*b+c into one FMA changes in 3.10; fusion changes the bits, so every launch pins it
+# (the value the kernels were measured with on the H200, Triton 3.6). Recorded in numerics.json.
+FP_FUSION = True
+LAUNCH = {"enable_fp_fusion": FP_FUSION}
+
+
+def splits(m: int, k: int, n: int, sms: int = 132) -> bool:
+    """Whether an m-row gemm [m, k] @ [n, k].T launches split-K (too few tiles to fill `sms` SMs)."""
+    t = tiles_for(m, k, n, sms)
+    return triton.cdiv(k, chunk_k(k)) > 1 and triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn) < sms
+
+
 def tiles_for(m: int, k: int, n: int, sms: int = 132) -> Tiles:
     """The launch tiles of an m-row gemm: the fastest measured on an H200 for its size (scripts/gpu_gemm_tiles.py,
     docs/gpu/issue16/tiles.json). Free to depend on m: on that device every tiling tried (BLOCK_M 16-128,
@@ -196,7 +208,7 @@ def gemm(
     chunks = triton.cdiv(k, chunk)
     grid = (triton.cdiv(m, t.bm), triton.cdiv(n, t.bn))
     if split is None:
-        split = chunks > 1 and grid[0] * grid[1] < sms
+        split = splits(m, k, n, sms) if tiles is None else chunks > 1 and grid[0] * grid[1] < sms
     r = residual if residual is not None else c
     if residual is not None and (
         residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != a.dtype
@@ -204,7 +216,7 @@ def gemm(
         raise ValueError(
             f"residual must be a row-major [{m}, {n}] {a.dtype}, got {tuple(residual.shape)} {residual.dtype}"
         )
-    kw = dict(CHUNK=chunk, BM=t.bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages)
+    kw = dict(CHUNK=chunk, BM=t.bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages, **LAUNCH)
     if not split:
         _gemm_kernel[grid](
             a,
@@ -260,7 +272,17 @@ def gemm(
     )
     block = 1024
     _chunk_sum_kernel[(triton.cdiv(m * n, block),)](
-        ws, c, r, m * n, n, r.stride(0), S=chunks, RESIDUAL=residual is not None, BLOCK=block, num_warps=4
+        ws,
+        c,
+        r,
+        m * n,
+        n,
+        r.stride(0),
+        S=chunks,
+        RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=4,
+        **LAUNCH,
     )
     return c
 
@@ -318,6 +340,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tiles) -> torch.Tensor:
         BN=bn,
         BK=BLOCK_K,
         num_warps=4,
+        **LAUNCH,
         num_stages=3,
     )
     return c
@@ -398,7 +421,9 @@ class _SiluMul(torch.autograd.Function):
         half = x2.shape[-1] // 2
         y = torch.empty(x2.shape[0], half, dtype=x.dtype, device=x.device)
         if x2.shape[0]:
-            _silu_mul_kernel[(x2.shape[0], triton.cdiv(half, 1024))](x2, y, half, BLOCK=1024, num_warps=4)
+            _silu_mul_kernel[(x2.shape[0], triton.cdiv(half, 1024))](
+                x2, y, half, BLOCK=1024, num_warps=4, **LAUNCH
+            )
         return y.view(*x.shape[:-1], half)
 
     @staticmethod
@@ -474,6 +499,7 @@ class _NormRope(torch.autograd.Function):
                 eps,
                 D=d,
                 num_warps=1,
+                **LAUNCH,
             )
         return y
 
@@ -533,6 +559,7 @@ def _rms_forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         eps,
         BLOCK=triton.next_power_of_2(h),
         num_warps=4,
+        **LAUNCH,
     )
     return y
 
@@ -681,6 +708,7 @@ def _attention_forward(q, k, v, mask, scale):
         LP2=triton.next_power_of_2(length),
         DECODE=decode,
         num_warps=4,
+        **LAUNCH,
         num_stages=2,
     )
     return o
