@@ -1,6 +1,6 @@
 """detrl on one GPU: the CUDA engine vs transformers `generate`, the trainer step, and one GRPO step vs TRL.
 
-    python benchmarks/gpu.py [--out DIR] [--sections targets,vs_trl,generate,rollout,grpo,trl,engine,onoff,grpo_onoff,grpo_moe]
+    python benchmarks/gpu.py [--out DIR] [--sections targets,vs_trl,generate_variants,generate,rollout,grpo,trl,engine,onoff,grpo_onoff,grpo_moe]
                              [--hf-moe-tokens 32]
 
 Models: Qwen3-0.6B's shape (conf/model/qwen3_0p6b.yaml) and Qwen3-30B-A3B's layer shape with 6 layers
@@ -151,6 +151,62 @@ def generate_section(name: str, batches: list[int], tokens: int) -> None:
             generate_s=s, generate_tok_s=tps, generate_new_tokens=tokens, generate_peak_gib=mem
         )
         print(f"generate alone {name} b={b}: {tps:,.0f} tok/s ({s:.2f} s for {tokens} tokens)", flush=True)
+
+
+def generate_variants_section(name: str, b: int, tokens: int) -> None:
+    """Why `generate`'s figure moved (2,242 vs 728-858 tok/s on one code path): the same b x tokens sampled
+    decode under each setting, three timed calls each after one warm-up, first thing in a fresh process.
+    bench: the rollout rows' call (bf16 model, DynamicCache, min_new_tokens); no_compile: + disable_compile
+    (TRL's GenerationConfig sets it); trl: TRL 1.16's call (fp32 model under bf16 autocast, no min_new_tokens,
+    disable_compile); static: a static cache (transformers compiles its decode step)."""
+    from transformers import GenerationConfig
+
+    hf32 = random_model(name)
+    hf16 = random_model(name).to(torch.bfloat16)
+    ids = torch.tensor(prompts(b), device="cuda")
+    base = dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=tokens, pad_token_id=0)
+    variants = {
+        "bench": (hf16, dict(base, min_new_tokens=tokens, eos_token_id=None), False),
+        "no_compile": (
+            hf16,
+            dict(base, min_new_tokens=tokens, eos_token_id=None, disable_compile=True),
+            False,
+        ),
+        "trl": (hf32, dict(base, eos_token_id=None, disable_compile=True), True),
+        "static": (
+            hf16,
+            dict(base, min_new_tokens=tokens, eos_token_id=None, cache_implementation="static"),
+            False,
+        ),
+    }
+    for tag, (hf, kw, autocast) in variants.items():
+        cfg = GenerationConfig(**kw)
+        amp = torch.autocast("cuda", torch.bfloat16) if autocast else contextlib.nullcontext()
+
+        def call(hf=hf, cfg=cfg, amp=amp):
+            with amp, torch.no_grad():
+                return hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+
+        try:
+            with torch_defaults():
+                t0 = time.perf_counter()
+                out = call()
+                torch.cuda.synchronize()
+                warm = time.perf_counter() - t0
+                times = [timed(call) for _ in range(2)]
+            new = out.shape[1] - ids.shape[1]
+            RESULTS[f"generate_variants/{name}/b{b}/{tag}"] = dict(
+                warmup_s=warm, times_s=times, new_tokens=new, tok_s=b * new / statistics.median(times)
+            )
+            print(
+                f"generate {tag} {name} b={b}: warm-up {warm:.2f} s, then "
+                + ", ".join(f"{t:.2f}" for t in times)
+                + f" s for {new} tokens -> {b * new / statistics.median(times):,.0f} tok/s",
+                flush=True,
+            )
+        except Exception as e:  # one variant failing (e.g. compile) must not hide the others
+            print(f"generate {tag}: failed: {type(e).__name__}: {e}", flush=True)
+            RESULTS[f"generate_variants/{name}/b{b}/{tag}"] = dict(error=f"{type(e).__name__}: {e}")
 
 
 def rollout_section(name: str, batches: list[int], hf_tokens: int, determinism: str = "off") -> None:
@@ -486,6 +542,8 @@ def main() -> None:
             lambda: grpo_section(DENSE, args.grpo_steps, out, "off"),
             lambda: grpo_section(DENSE, args.grpo_steps, out, "on"),
         ]
+    if "generate_variants" in sections:  # first in its process: what generate's figure depends on
+        generate_variants_section(DENSE, 64, NEW)
     if "generate" in sections:  # the control: generate alone, before anything of detrl's runs in this process
         jobs += [lambda: generate_section(DENSE, [64], NEW)]
     if "grpo" in sections:
