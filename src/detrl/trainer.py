@@ -71,7 +71,8 @@ def run_name(cfg: TrainConfig) -> str:
 def load_policy(cfg: TrainConfig, tokenizer, task, ctx_len: int) -> torch.nn.Module:
     """model.path's weights (float32), the cached warm start (arithmetic), or a fresh model from the seed."""
     if cfg.model.path is None and cfg.model.init == "warmstart":
-        return load_or_build(cfg.model, cfg.data, cfg.warmstart, tokenizer, task, ctx_len)
+        device = resolve_device(cfg.device).type
+        return load_or_build(cfg.model, cfg.data, cfg.warmstart, tokenizer, task, ctx_len, device)
     return build_model(cfg.model, seed=cfg.seed)
 
 

@@ -32,7 +32,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("DETRL_CACHE_DIR", Path.home() / ".cache" / "detrl"))
 
 
-def warmstart_dir(model_cfg: ModelConfig, data_cfg: DataConfig, ws: WarmstartConfig, tokenizer) -> Path:
+def warmstart_dir(
+    model_cfg: ModelConfig, data_cfg: DataConfig, ws: WarmstartConfig, tokenizer, device: str = "cpu"
+) -> Path:
     arch = {
         k: v
         for k, v in dataclasses.asdict(model_cfg).items()
@@ -40,8 +42,11 @@ def warmstart_dir(model_cfg: ModelConfig, data_cfg: DataConfig, ws: WarmstartCon
     }
     # the arithmetic task's fields only (the SFT's data): later data options leave existing caches valid
     data = {k: v for k, v in dataclasses.asdict(data_cfg).items() if k in _SFT_DATA_KEYS}
+    parts = [arch, data, dataclasses.asdict(ws), tokenizer.get_vocab(), torch.__version__]
+    if device != "cpu":  # another device's SFT gives other bits (CPU keys stay as they were)
+        parts.append(device)
     key = json.dumps(
-        [arch, data, dataclasses.asdict(ws), tokenizer.get_vocab(), torch.__version__],
+        parts,
         sort_keys=True,
         default=str,
     )
@@ -52,10 +57,12 @@ def encode(tokenizer, text: str) -> list[int]:
     return [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
-def sft(model, tokenizer, task, ws: WarmstartConfig, ctx_len: int) -> None:
-    """Teacher-forced cross-entropy on `prompt answer <eos>`, loss on the answer tokens only."""
+def sft(model, tokenizer, task, ws: WarmstartConfig, ctx_len: int, device: str = "cpu") -> None:
+    """Teacher-forced cross-entropy on `prompt answer <eos>`, loss on the answer tokens only, on `device`
+    (a GPU run warm-starts its large shapes there; the model comes back to the CPU)."""
     gen = torch.Generator().manual_seed(ws.seed)
-    rope = rope_tables(model.config, ctx_len)
+    model.to(device)
+    rope = tuple(t.to(device) for t in rope_tables(model.config, ctx_len))
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     model.train()
     for _ in range(ws.steps):
@@ -70,25 +77,34 @@ def sft(model, tokenizer, task, ws: WarmstartConfig, ctx_len: int) -> None:
             )
             ids[row, : len(full)] = torch.tensor(full)
             labels[row, len(prompt) - 1 : len(full) - 1] = torch.tensor(full[len(prompt) :])
-        logits = forward(model, ids, DEFAULT_OPS, ctx_len, rope)  # [B, L, V]
+        logits = forward(model, ids.to(device), DEFAULT_OPS, ctx_len, rope)  # [B, L, V]
         loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), label_smoothing=ws.label_smoothing
+            logits.reshape(-1, logits.shape[-1]),
+            labels.reshape(-1).to(device),
+            label_smoothing=ws.label_smoothing,
         )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    model.eval()
+    model.eval().to("cpu")
 
 
 def load_or_build(
-    model_cfg: ModelConfig, data_cfg: DataConfig, ws: WarmstartConfig, tokenizer, task, ctx_len: int
+    model_cfg: ModelConfig,
+    data_cfg: DataConfig,
+    ws: WarmstartConfig,
+    tokenizer,
+    task,
+    ctx_len: int,
+    device: str = "cpu",
 ) -> torch.nn.Module:
-    path = warmstart_dir(model_cfg, data_cfg, ws, tokenizer)
+    """The cached warm start, or one built now (the SFT on `device`, then cached)."""
+    path = warmstart_dir(model_cfg, data_cfg, ws, tokenizer, device)
     if (path / "config.json").is_file():
         return build_model(dataclasses.replace(model_cfg, path=str(path)), seed=ws.seed)
     with torch.random.fork_rng(devices=[]):
         model = build_model(model_cfg, seed=ws.seed)
-        sft(model, tokenizer, task, ws, ctx_len)
+        sft(model, tokenizer, task, ws, ctx_len, device)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
     model.save_pretrained(tmp)
