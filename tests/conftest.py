@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,9 @@ def make_cfg(*overrides: str) -> TrainConfig:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    from detrl.analysis.load import load_metrics
+
+    return load_metrics(run_dir)
 
 
 def run_tiny(tmp_path: Path, *overrides: str) -> list[dict]:
