@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -22,6 +23,13 @@ def wandb_group(multirun: bool, sweep_dir: str, experiment: str | None) -> str:
     if multirun:
         return Path(sweep_dir).name
     return experiment or "single"
+
+
+class ReportCommand(Callback):
+    """Hydra callback (conf/train.yaml): a multirun ends by printing the command that renders its report."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        print(f"sweep done; its report: python -m detrl.report {config.hydra.sweep.dir}")
 
 
 def _remove_if_fresh(run_dir: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -85,8 +87,12 @@ class Tracker:
         if self.wandb_run is not None:
             # the run's files travel with it (drift.jsonl: distances can be computed from W&B). Saved now that
             # they exist: wandb's save of a file that does not exist yet records nothing
-            for name in RUN_FILES:
-                if (self.run_dir / name).is_file():
-                    self.wandb_run.save(str(self.run_dir / name), base_path=str(self.run_dir), policy="now")
+            # (its "Symlinked ... call wandb.save again" warning, one per file, says nothing at the end of a run)
+            with contextlib.redirect_stderr(io.StringIO()):
+                for name in RUN_FILES:
+                    if (self.run_dir / name).is_file():
+                        self.wandb_run.save(
+                            str(self.run_dir / name), base_path=str(self.run_dir), policy="now"
+                        )
             self.wandb_run.finish(exit_code=exit_code)
             self.wandb_run = None
