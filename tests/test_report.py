@@ -132,3 +132,19 @@ def test_sentences_print_a_degenerate_range_as_one_value():
     assert divergence_sentence(_facts(8, 8)).startswith(
         "8 of the 8 determinism=on cells are bitwise identical"
     )
+
+
+def test_make_notebooks_runner_executes_the_notebook_on_a_single_cell_sweep(ablation, tmp_path):
+    one = tmp_path / "one"
+    run = next(p for p in sorted(ablation[0].iterdir()) if "no_sampling" in p.name)
+    shutil.copytree(run, one / run.name)
+    proc = subprocess.run(
+        [sys.executable, "notebooks/run.py", str(one)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import nbformat
+
+    nb = nbformat.read(one / "report" / "nondeterminism_report.ipynb", as_version=4)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 5
