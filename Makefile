@@ -40,7 +40,7 @@ install: $(VENV)/.installed  ## create .venv (once) and install detrl into it (e
 
 install-test: $(VENV)/.installed-test  ## ... plus the test tools and SGLang's classes for the contract tests
 
-train: install  ## set up, then train the default: tiny Qwen3, GRPO, determinism on, CPU (~20 s)
+train: install  ## set up (first time: minutes), then train the default: tiny Qwen3, GRPO, determinism on, CPU (~40 s)
 	$(PY) train.py
 
 test: install-test  ## set up, then run the test suite (CPU; tests marked gpu skip without CUDA)

@@ -51,7 +51,7 @@ def building_line(cfg, run_dir: Path) -> str:
     )
     return (
         f"detrl: building {m.name} from {policy}, the numerics preflight and the {cfg.rollout.backend} engine, "
-        f"then {cfg.steps} steps; run dir {run_dir}"
+        f"then {cfg.steps} step{'s' * (cfg.steps != 1)}; run dir {run_dir}"
     )
 
 
