@@ -13,7 +13,7 @@ SGLANG := sglang==0.5.23 triton==3.9.0
 SGLANG_IMPORTS := ipython pillow aiohttp msgspec numpy orjson packaging psutil pybase64 pydantic requests \
 	starlette tqdm typing-extensions pyzmq
 
-.PHONY: help install install-test train test lint format matrix ablation clean-venv
+.PHONY: help install install-test train test lint format matrix ablation notebook clean-venv
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -32,11 +32,15 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q $(SGLANG_IMPORTS)
 	touch $@
 
+$(VENV)/.installed-notebook: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[notebook]"
+	touch $@
+
 install: $(VENV)/.installed  ## create .venv (once) and install detrl into it (editable)
 
 install-test: $(VENV)/.installed-test  ## ... plus the test tools and SGLang's classes for the contract tests
 
-train: install  ## set up, then train the default: tiny Qwen3, GRPO, determinism on, CPU (~20 s)
+train: install  ## set up (first time: minutes), then train the default: tiny Qwen3, GRPO, determinism on, CPU (~40 s)
 	$(PY) train.py
 
 test: install-test  ## set up, then run the test suite (CPU; tests marked gpu skip without CUDA)
@@ -59,6 +63,11 @@ matrix: install  ## run the determinism_matrix study, then render its report int
 	rm -rf outputs/sweeps/determinism_matrix_latest
 	$(PY) train.py -m experiment=determinism_matrix hydra.sweep.dir=outputs/sweeps/determinism_matrix_latest
 	$(PY) -m detrl.report outputs/sweeps/determinism_matrix_latest --out docs/determinism_matrix
+
+SWEEP ?= outputs/sweeps/smoke_latest
+notebook: $(VENV)/.installed-notebook  ## run the report notebook headless on SWEEP= (default: the smoke sweep, run first if absent)
+	test -d $(SWEEP) || $(PY) train.py -m experiment=smoke hydra.sweep.dir=$(SWEEP)
+	$(PY) notebooks/run.py $(SWEEP)
 
 clean-venv:  ## remove .venv (the next make target rebuilds it from nothing)
 	rm -rf $(VENV)

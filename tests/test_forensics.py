@@ -114,6 +114,14 @@ def test_no_checkpoint_at_or_after_the_divergence_says_what_exists(off_runs, tmp
             shutil.rmtree(p)
     text = first_divergence(a, b).format()
     assert "checkpoint.every=1 checkpoint.keep_last=" in text and "B has" in text
+    # what to run instead: each run again to the first differing step (its last step is checkpointed)
+    assert f"python train.py <its overrides> steps={first} run_dir={a}_to{first}" in text
+    assert f"python -m detrl.forensics {a}_to{first} {b}_to{first}" in text
+    (b / ".hydra").mkdir()
+    (b / ".hydra" / "overrides.yaml").write_text("- determinism=off\n- steps=6\n- seed=1\n")
+    assert f"python train.py determinism=off seed=1 steps={first} run_dir={b}_to{first}" in (
+        first_divergence(a, b).format()
+    )
 
 
 def test_moe_router_perturbation_is_localised_and_routing_flips_are_counted():

@@ -61,7 +61,8 @@ def test_report_renders_figures_and_summary(sweep_dir, tmp_path):
     summary = (out / "summary.md").read_text()
     opening = summary.split("\n\n")[1]  # the findings, computed from the data, before the table
     assert (
-        opening.startswith("1 of 1 determinism=on cells are bitwise identical") and opening.count(". ") >= 2
+        opening.startswith("The determinism=on cell is bitwise identical across its repeats")
+        and opening.count(". ") >= 2
     )
     assert "on repeats stay at exactly 0" in opening and "bitwise identical" in summary
 

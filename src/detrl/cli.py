@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -24,10 +26,52 @@ def wandb_group(multirun: bool, sweep_dir: str, experiment: str | None) -> str:
     return experiment or "single"
 
 
+class ReportCommand(Callback):
+    """Hydra callback (conf/train.yaml): a multirun ends by printing the command that renders its report."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        print(f"sweep done; its report: python -m detrl.report {config.hydra.sweep.dir}")
+
+
 def _remove_if_fresh(run_dir: Path) -> None:
     """Remove a run dir that holds nothing but Hydra's own files (a run that never started)."""
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def building_line(cfg, run_dir: Path) -> str:
+    """What happens before step 1 (imports, the policy, the preflight, the engine: 10-20 s on a CPU), said at once."""
+    m = cfg.model
+    policy = (
+        f"{m.path}"
+        if m.path
+        else f"the warm start (cached; else a {cfg.warmstart.steps}-step SFT, once)"
+        if m.init == "warmstart"
+        else f"{m.init} init"
+    )
+    return (
+        f"detrl: building {m.name} from {policy}, the numerics preflight and the {cfg.rollout.backend} engine, "
+        f"then {cfg.steps} step{'s' * (cfg.steps != 1)}; run dir {run_dir}"
+    )
+
+
+def reward_line(rows: list[dict], run_dir: Path | str, window: int = 5) -> str:
+    """The run's last line, from the steps its metrics.jsonl holds (a run resumed into a new dir holds only
+    its own): mean reward of the first and last `window` steps, never overlapping (fewer when under 2 windows).
+
+    >>> reward_line([{"step": s, "critic/score/mean": s / 10} for s in (1, 2, 3)], "d")
+    'reward: first 0.100 -> last 0.300 over 3 steps (1-3; means of 1 step); run dir d'
+    """
+    r = [row["critic/score/mean"] for row in rows]
+    if not r:
+        return f"reward: no steps logged; run dir {run_dir}"
+    w, span = min(window, len(r) // 2), f"{rows[0]['step']}-{rows[-1]['step']}"
+    if not w:
+        return f"reward: {r[0]:.3f} over 1 step ({rows[0]['step']}); run dir {run_dir}"
+    return (
+        f"reward: first {sum(r[:w]) / w:.3f} -> last {sum(r[-w:]) / w:.3f} over {len(r)} steps "
+        f"({span}; means of {w} step{'s' * (w > 1)}); run dir {run_dir}"
+    )
 
 
 def main_task(cfg: DictConfig) -> dict:
@@ -42,7 +86,10 @@ def main_task(cfg: DictConfig) -> dict:
     if typed.run_dir and Path(typed.run_dir).resolve() != run_dir.resolve():
         _remove_if_fresh(run_dir)  # Hydra's own dir is not used
         run_dir = Path(typed.run_dir)
+    if os.environ.get("RANK", "0") == "0":
+        print(building_line(typed, run_dir), flush=True)
     from detrl import distributed
+    from detrl.analysis.load import load_metrics
     from detrl.trainer import train  # heavy imports after validation
 
     if not typed.run_dir and distributed.requested_world_size() > 1:  # torchrun: every rank uses rank 0's dir
@@ -67,8 +114,5 @@ def main_task(cfg: DictConfig) -> dict:
     main = distributed.is_main()
     distributed.close()  # torchrun: leave the process group
     if summary and main:
-        print(
-            f"reward: first {summary['reward/first']:.3f} -> last {summary['reward/last']:.3f} "
-            f"over {summary['steps']} steps; run dir {run_dir}"
-        )
+        print(reward_line(load_metrics(run_dir), run_dir))
     return summary

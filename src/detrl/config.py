@@ -540,8 +540,30 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
 
 
+def check_keys(node: DictConfig, where: str = "") -> None:
+    """Refuse a key the schema lacks: `+model.hidden_sizee=256` (Hydra's hint for a typo) adds it past the
+    struct check, and to_object would drop it without a word."""
+    import dataclasses
+    import difflib
+
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return
+    names = [f.name for f in dataclasses.fields(schema)]
+    for key, value in node.items_ex(resolve=False):
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean {where}{near[0]}? " if near else ""
+            raise ConfigError(
+                f"unknown key {where}{key}: {hint}{where.rstrip('.') or 'the config'} has {names}"
+            )
+        if isinstance(value, DictConfig):
+            check_keys(value, f"{where}{key}.")
+
+
 def to_typed(cfg: DictConfig) -> TrainConfig:
     """Convert the composed DictConfig into the dataclass tree, once, at the entrypoint."""
+    check_keys(cfg)
     typed = OmegaConf.to_object(cfg)
     assert isinstance(typed, TrainConfig)
     validate(typed)

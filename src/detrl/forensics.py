@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 
 from detrl.fingerprint import digest
 
@@ -308,6 +309,23 @@ class Report:
     __str__ = format
 
 
+def _to(run, step: int) -> str:
+    return f"{Path(run)}_to{step}"
+
+
+def _rerun(run, step: int) -> str:
+    """The command that reruns `run` (its Hydra overrides, when it has them) to `step` into a new run dir."""
+    over = Path(run) / ".hydra" / "overrides.yaml"
+    drop = ("steps=", "run_dir=", "resume=", "checkpoint.")
+    args = (
+        [o for o in (yaml.safe_load(over.read_text()) or []) if not o.startswith(drop)]
+        if over.is_file()
+        else []
+    )
+    args = args or ["<its overrides>"]
+    return " ".join(["python train.py", *args, f"steps={step}", f"run_dir={_to(run, step)}"])
+
+
 def _first_fp(rows_a, rows_b, steps) -> tuple[int, list[str]] | None:
     for s in steps:
         keys = sorted(k for k in rows_a[s] if k.startswith("fp/") and rows_a[s][k] != rows_b[s].get(k))
@@ -351,10 +369,13 @@ def first_divergence(run_a, run_b, step: int | None = None, canary: str = DEFAUL
     elif r.diverged:
         after = [s for s in both if s >= r.first_differ]
         if not after:
+            n = r.first_differ
             r.step_note = (
-                f"no checkpoint at or after step {r.first_differ} in both runs (A has "
-                f"{r.checkpoints_a or 'none'}, B has {r.checkpoints_b or 'none'}); rerun both with "
-                f"checkpoint.every=1 checkpoint.keep_last=<at least the number of steps>"
+                f"no checkpoint at or after step {n} in both runs (A has {r.checkpoints_a or 'none'}, B has "
+                f"{r.checkpoints_b or 'none'}; checkpoint.keep_last=2 keeps the last two). A run checkpoints "
+                f"its last step: rerun each to step {n}, `{_rerun(run_a, n)}` and `{_rerun(run_b, n)}`, then "
+                f"`python -m detrl.forensics {_to(run_a, n)} {_to(run_b, n)}` (or keep every checkpoint: "
+                "checkpoint.every=1 checkpoint.keep_last=<steps>)"
             )
             return r
         r.step = after[0]

@@ -34,6 +34,7 @@ from detrl.analysis import (  # noqa: E402
 )
 from detrl.analysis.ablation import ablation_findings, ablation_table, ablation_title  # noqa: E402
 from detrl.analysis.findings import (  # noqa: E402
+    common_settings,
     distance_sentence,
     divergence_sentence,
     facts,
@@ -82,14 +83,17 @@ def _partial(cell: str) -> str | None:
     return parse_cell(cell).get("partial")
 
 
-def _panel(cell: str) -> str:
-    return without(cell, "determinism", "partial")
+def _label(sweep: Sweep, cell: str, *keys: str) -> str:
+    """The cell's settings minus `keys` and minus those every run of the sweep shares (e.g. `steps=3`)."""
+    return without(cell, *keys, *common_settings(sweep.runs.cell.unique()))
 
 
 def _grid(sweep: Sweep, cells=None, width: float = 4.2, height: float = 3.0):
-    """One subplot per panel (shared axes); -> (fig, {panel: ax})."""
+    """One subplot per panel (shared axes): the cell's settings but determinism and partial; -> (fig,
+    {panel: ax}, {cell: ax})."""
     cells = sorted(sweep.runs.cell.unique()) if cells is None else cells
-    panels = sorted({_panel(c) for c in cells})
+    panel_of = {c: _label(sweep, c, "determinism", "partial") for c in cells}
+    panels = sorted(set(panel_of.values()))
     ncol = min(2, len(panels)) or 1
     nrow = max(1, math.ceil(len(panels) / ncol))
     fig, axes = plt.subplots(
@@ -102,7 +106,8 @@ def _grid(sweep: Sweep, cells=None, width: float = 4.2, height: float = 3.0):
     )
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
-    return fig, dict(zip(panels, axes.flat))
+    by_panel = dict(zip(panels, axes.flat))
+    return fig, by_panel, {c: by_panel[p] for c, p in panel_of.items()}
 
 
 def _legend(fig, partial: bool, modes: tuple[str, ...] = ("on", "off")) -> None:
@@ -155,9 +160,9 @@ def fig_param_distance(sweep: Sweep):
     positive = dist[["min", "median", "max"]].to_numpy()
     positive = positive[positive > 0]
     floor = 10 ** (math.floor(math.log10(positive.min())) - 1) if positive.size else 1e-8
-    fig, axes = _grid(sweep, sorted(dist.cell.unique()))
+    fig, axes, ax_of = _grid(sweep, sorted(dist.cell.unique()))
     for cell, g in dist.groupby("cell"):
-        ax, color, ls = axes[_panel(cell)], COLOR.get(_det(cell), "grey"), STYLE.get(_partial(cell), "-")
+        ax, color, ls = ax_of[cell], COLOR.get(_det(cell), "grey"), STYLE.get(_partial(cell), "-")
         med = g["median"].where(g["median"] > 0, floor)
         ax.plot(g.step, med, ls, color=color, lw=1.3)
         ax.fill_between(
@@ -188,9 +193,9 @@ def fig_reward(sweep: Sweep):
         if f.get("reward_gap_max") is not None
         else "Reward per step (mean and min-max over repeats)"
     )
-    fig, axes = _grid(sweep, sorted(s.cell.unique()))
+    fig, axes, ax_of = _grid(sweep, sorted(s.cell.unique()))
     for cell, g in s.groupby("cell"):
-        ax, color, ls = axes[_panel(cell)], COLOR.get(_det(cell), "grey"), STYLE.get(_partial(cell), "-")
+        ax, color, ls = ax_of[cell], COLOR.get(_det(cell), "grey"), STYLE.get(_partial(cell), "-")
         ax.plot(g.step, g["mean"], ls, color=color, lw=1.2)
         ax.fill_between(g.step, g["min"], g["max"], color=color, alpha=0.12)
     for panel, ax in axes.items():
@@ -227,7 +232,7 @@ def fig_verdicts(sweep: Sweep):
         ax.text(same + 0.3, i, text, va="center", fontsize=7)
     ax.set_yticks(
         range(len(v)),
-        [without(c, "determinism") + f"  [{d}]" for c, d in zip(v.cell, v.determinism)],
+        [_label(sweep, c, "determinism") + f"  [{d}]" for c, d in zip(v.cell, v.determinism)],
         fontsize=7,
     )
     ax.invert_yaxis()
@@ -251,8 +256,9 @@ def fig_mismatch(sweep: Sweep):
     if not off_cells:
         return _empty("trainer/rollout mismatch", "no determinism=off cells")
     title = (
-        f"Off: trainer and rollout logprobs of the same tokens differ by up to {f['off']['mismatch_max']:.1e} "
-        "nats"
+        # the largest value drawn (also for cells with one repeat, which facts leave out)
+        f"Off: trainer and rollout logprobs of the same tokens differ by up to "
+        f"{s[s.cell.isin(off_cells)]['max'].max():.1e} nats"
         + (
             "; on: exactly 0 at every step (true on-policy)"
             if on_max == 0
@@ -261,10 +267,10 @@ def fig_mismatch(sweep: Sweep):
             else ""
         )
     )
-    fig, axes = _grid(sweep, off_cells)
+    fig, axes, ax_of = _grid(sweep, off_cells)
     for cell in off_cells:
         g = s[s.cell == cell]
-        ax, ls = axes[_panel(cell)], STYLE.get(_partial(cell), "-")
+        ax, ls = ax_of[cell], STYLE.get(_partial(cell), "-")
         ax.plot(g.step, g["mean"], ls, color=COLOR["off"], lw=1.2)
         ax.fill_between(g.step, g["min"], g["max"], color=COLOR["off"], alpha=0.15)
     for panel, ax in axes.items():
@@ -282,7 +288,7 @@ def fig_cost(sweep: Sweep):
     if m.empty:
         return _empty("cost", "no complete runs")
     per_run = m.groupby(["cell", "run"])["timing_s/step"].median().reset_index()
-    per_run["setting"] = per_run.cell.map(lambda c: without(c, "determinism"))
+    per_run["setting"] = per_run.cell.map(lambda c: _label(sweep, c, "determinism"))
     per_run["det"] = per_run.cell.map(_det)
     cell_time = per_run.groupby("cell")["timing_s/step"].median()  # = verdicts' step_time_s
     settings = sorted(per_run.setting.unique())
@@ -314,7 +320,11 @@ def fig_cost(sweep: Sweep):
     ax.set_ylabel("median step time per run (s)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    ax.set_title(title + "\n(bars: median over repeats; dots: each run)", fontsize=9)
+    # wrapped to the figure's width (~13 characters an inch at fontsize 9): a long title is not clipped
+    ax.set_title(
+        _wrap(title, int(fig.get_figwidth() * 13)) + "\n(bars: median over repeats; dots: each run)",
+        fontsize=9,
+    )
     fig.tight_layout()
     return fig
 
@@ -438,6 +448,20 @@ def ablation_markdown(sweep: Sweep) -> list[str]:
     return md + ["![ablation](ablation.png)", ""]
 
 
+def runs_line(sweep: Sweep, v: pd.DataFrame) -> str:
+    """ "4 runs in 2 cells (1 determinism=on, 1 off), 2 repeats each; 0 incomplete; every run: steps=3"."""
+    n, cells = len(sweep.runs), len(v)
+    modes = v.determinism.value_counts()
+    out = f"{n} run{'s' * (n != 1)} in {cells} cell{'s' * (cells != 1)}"
+    if set(modes.index) <= {"on", "off"} and len(modes):
+        out += " (" + ", ".join(f"{modes[m]} determinism={m}" for m in ("on", "off") if m in modes) + ")"
+    lo, hi = int(v.repeats.min()), int(v.repeats.max())
+    out += f", {lo if lo == hi else f'{lo}-{hi}'} complete repeat{'s' * (hi != 1)} per cell"
+    out += f"; {(sweep.runs.status != 'complete').sum()} incomplete"
+    common = common_settings(sweep.runs.cell.unique())
+    return out + (f"; every run: {', '.join(f'{k}={x}' for k, x in common.items())}" if common else "")
+
+
 def summary_markdown(sweep: Sweep, name: str) -> str:
     v = verdicts(sweep)
     incomplete = sweep.runs[sweep.runs.status != "complete"]
@@ -446,7 +470,7 @@ def summary_markdown(sweep: Sweep, name: str) -> str:
         "",
         " ".join(findings(sweep)),
         "",
-        f"{len(sweep.runs)} runs in {v.shape[0]} cells; {len(incomplete)} incomplete; source: {sweep.source}. "
+        f"{runs_line(sweep, v)}; source: {sweep.source}. "
         "First divergence = the first step where any two repeats differ, and the first differing stage there "
         "in pipeline order (order -> tokens -> logprobs -> params); `stages_differing_then` lists every stage "
         "that differs at that step. `param_distance_last` = median L2 distance between repeats' parameters at "

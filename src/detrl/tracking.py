@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from detrl.config import LoggerConfig
+from detrl.config import ConfigError, LoggerConfig
+
+# the files of a run dir that its W&B run carries (the offline run's files/, uploaded by `wandb sync`)
+RUN_FILES = ("metrics.jsonl", "drift.jsonl", "config.yaml", "numerics.json")
 
 
 class Tracker:
@@ -25,7 +30,8 @@ class Tracker:
     ):
         from detrl.distributed import is_main
 
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
         self.wandb_run, self._file = None, None
         if not is_main():  # under torchrun only rank 0 logs (every rank has the same, gathered, metrics)
             return
@@ -42,7 +48,7 @@ class Tracker:
                 if resume_step is not None
                 else dict(id=run_id, resume="allow" if run_id else None)
             )
-            self.wandb_run = wandb.init(
+            init = dict(
                 project=cfg.project,
                 entity=cfg.entity,
                 group=cfg.group or group,
@@ -53,10 +59,15 @@ class Tracker:
                 mode=mode,
                 job_type=job_type or run_name,
                 settings=wandb.Settings(silent=True, console="off"),
-                **where,
             )
-            # the drift sketches (drift.jsonl) travel with the run, so distances can be computed from W&B
-            self.wandb_run.save(str(Path(run_dir) / "drift.jsonl"), base_path=str(run_dir), policy="end")
+            try:
+                self.wandb_run = wandb.init(**init, **where)
+            except wandb.errors.UsageError as e:  # e.g. online without credentials: one line, what to do
+                self._file.close()
+                raise ConfigError(
+                    f"logger.mode={mode}: {str(e).splitlines()[0]} Run `wandb login` (or set WANDB_API_KEY), "
+                    "or log offline: logger.mode=offline or WANDB_MODE=offline"
+                ) from None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if self._file is None:
@@ -74,5 +85,14 @@ class Tracker:
         if self._file is not None:
             self._file.close()
         if self.wandb_run is not None:
+            # the run's files travel with it (drift.jsonl: distances can be computed from W&B). Saved now that
+            # they exist: wandb's save of a file that does not exist yet records nothing
+            # (its "Symlinked ... call wandb.save again" warning, one per file, says nothing at the end of a run)
+            with contextlib.redirect_stderr(io.StringIO()):
+                for name in RUN_FILES:
+                    if (self.run_dir / name).is_file():
+                        self.wandb_run.save(
+                            str(self.run_dir / name), base_path=str(self.run_dir), policy="now"
+                        )
             self.wandb_run.finish(exit_code=exit_code)
             self.wandb_run = None

@@ -598,5 +598,5 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
 def reward_summary(curve: list[float], window: int = 5) -> dict[str, float]:
     if not curve:
         return {}
-    w = min(window, len(curve))
+    w = min(window, max(1, len(curve) // 2))  # the first and last windows never overlap
     return {"reward/first": sum(curve[:w]) / w, "reward/last": sum(curve[-w:]) / w, "steps": len(curve)}

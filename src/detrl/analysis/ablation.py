@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from detrl.analysis.findings import parse_cell, without
+from detrl.analysis.findings import common_settings, parse_cell, without
 from detrl.analysis.load import Sweep
 from detrl.analysis.verdicts import STAGE, first_divergence, verdicts
 
@@ -86,8 +86,9 @@ def ablation_table(sweep: Sweep) -> pd.DataFrame:
     per_step = m.groupby(["cell", "step"])[REWARD].agg(["mean", "std"]).reset_index() if REWARD in m else None
     first_run = runs.sort_values("repeat").groupby("cell").run.first()
     out = []
+    common = common_settings(sweep.runs.cell.unique())  # e.g. steps=2 on every run: not a setting
     for cell in cells:
-        setting, name = without(cell, "ablation"), parse_cell(cell)["ablation"]
+        setting, name = without(cell, "ablation", *common), parse_cell(cell)["ablation"]
         kind, source = kind_of(name)
         ref = ",".join(
             sorted(
@@ -134,71 +135,109 @@ def _all_off_distance(t: pd.DataFrame) -> float:
     return float(off.iloc[0]) if len(off) and off.notna().all() else float("nan")
 
 
+def _judged(t: pd.DataFrame, kind: str) -> pd.DataFrame:
+    """The cells of `kind` with a verdict (two complete repeats or more)."""
+    sel = t[t.kind == kind]
+    return sel[sel.reproducible.map(lambda r: r is not None).astype(bool)]
+
+
+def _sources(t: pd.DataFrame, verdict) -> list[str]:
+    return sorted(set(t[t.reproducible.map(verdict).astype(bool)].source))
+
+
+def _clauses(loo: pd.DataFrame, loi: pd.DataFrame) -> tuple[str | None, str | None]:
+    """ "released alone from on, ... breaks ..." / "pinned alone in off, ... restores ...", each only where such
+    cells ran with two repeats or more (None otherwise: nothing was measured to say it of)."""
+    released = pinned = None
+    if len(loo):
+        b = _sources(loo, _no)
+        released = f"{', '.join(b)} {'breaks' if len(b) == 1 else 'break'} bitwise repeats" if b else None
+        released = released or f"{_list_or(sorted(set(loo.source)))} keeps them bitwise"
+    if len(loi):
+        r = _sources(loi, _yes)
+        pinned = f"{', '.join(r)} {'restores' if len(r) == 1 else 'restore'} bitwise repeats" if r else None
+        pinned = pinned or f"none of {', '.join(sorted(set(loi.source)))} restores them"
+    return released, pinned
+
+
+def _list_or(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else "each of " + ", ".join(names)
+
+
 def ablation_title(table: pd.DataFrame) -> str:
     """One line over all settings: which sources alone break bitwise repeats from on, which alone restore them
-    from off."""
-    loo, loi = table[table.kind == "leave-one-out"], table[table.kind == "leave-one-in"]
-    breaks = sorted(set(loo[loo.reproducible.map(_no)].source))
-    restores = sorted(set(loi[loi.reproducible.map(_yes)].source))
-    return (
-        f"Released alone from on, {', '.join(breaks) or 'no source'} breaks bitwise repeats; pinned alone in off, "
-        f"{', '.join(restores) or 'no source'} restores them (reward std across repeats, mean over steps)"
-    )
+    from off; said only of the cells the sweep ran (with two complete repeats or more)."""
+    released, pinned = _clauses(_judged(table, "leave-one-out"), _judged(table, "leave-one-in"))
+    parts = [f"released alone from on, {released}" if released else None]
+    parts.append(f"pinned alone in off, {pinned}" if pinned else None)
+    said = "; ".join(p for p in parts if p)
+    if not said:
+        return "Source ablation: no ablated cell has 2 complete repeats yet, so no verdict (reward std across repeats)"
+    return said[:1].upper() + said[1:] + " (reward std across repeats, mean over steps)"
+
+
+def _ci(lo: float, hi: float) -> str:
+    return f"{lo:.3g}" if f"{lo:.3g}" == f"{hi:.3g}" else f"{lo:.3g}-{hi:.3g}"
+
+
+def _mask(t: pd.DataFrame, verdict) -> pd.Series:
+    """A boolean mask (also on an empty table, where an object Series would select columns instead)."""
+    return t.reproducible.map(verdict).astype(bool)
 
 
 def ablation_findings(table: pd.DataFrame) -> list[str]:
     """Sentences computed from the table: per setting, which sources released alone break reproducibility and
-    which change the bits while staying reproducible, and which pinned alone restore it."""
+    which change the bits while staying reproducible, and which pinned alone restore it; each said only of
+    cells that ran with two complete repeats or more."""
     out = []
     for setting, t in table.groupby("setting", sort=True):
-        loo, loi = t[t.kind == "leave-one-out"], t[t.kind == "leave-one-in"]
+        loo, loi = _judged(t, "leave-one-out"), _judged(t, "leave-one-in")
         breaks = [
             f"{r.source} (step {int(r.first_divergence_step)}, {r.first_divergence_stage})"
-            for r in loo.itertuples()
-            if _no(r.reproducible)
+            for r in loo[_mask(loo, _no)].itertuples()
         ]
-        changes = [
-            r.source
-            for r in loo.itertuples()
-            if _yes(r.reproducible) and r.differs_from_all_on and not r.differs_from_all_on.startswith("no")
-        ]
-        inert = [
-            r.source
-            for r in loo.itertuples()
-            if _yes(r.reproducible) and r.differs_from_all_on and r.differs_from_all_on.startswith("no")
-        ]
-        restores = [r.source for r in loi.itertuples() if _yes(r.reproducible)]
-        s = [
-            f"**{setting}**: released alone from `on`, "
-            + (", ".join(breaks) + " make repeats diverge" if breaks else "no source makes repeats diverge")
-        ]
-        if changes:
-            s.append(", ".join(changes) + " change the bits but stay reproducible")
-        if inert:
-            s.append(", ".join(inert) + " leave them bitwise equal to all-on")
-        s.append(
-            "pinned alone in `off`, "
-            + (
-                ", ".join(restores) + " restore bitwise repeats"
-                if restores
-                else "no single source restores bitwise repeats"
+        same = loo[_mask(loo, _yes) & loo.differs_from_all_on.map(lambda d: isinstance(d, str)).astype(bool)]
+        equal = same.differs_from_all_on.str.startswith("no")
+        parts = []
+        if len(loo):
+            parts.append(
+                "released alone from `on`, "
+                + (
+                    ", ".join(breaks) + " make repeats diverge"
+                    if breaks
+                    else "no source makes repeats diverge"
+                )
             )
-        )
-        near = loi[loi.reproducible.map(_no) & loi.param_distance_last.notna()].sort_values(
-            "param_distance_last"
-        )
+        if (~equal).any():
+            parts.append(", ".join(same[~equal].source) + " change the bits but stay reproducible")
+        if equal.any():
+            parts.append(", ".join(same[equal].source) + " leave them bitwise equal to all-on")
+        if len(loi):
+            restores = list(loi[_mask(loi, _yes)].source)
+            parts.append(
+                "pinned alone in `off`, "
+                + (
+                    ", ".join(restores) + " restore bitwise repeats"
+                    if restores
+                    else "no single source restores bitwise repeats"
+                )
+            )
+        unjudged = sorted(set(t.ablation) - set(t[_mask(t, lambda r: r is not None)].ablation))
+        if unjudged:
+            parts.append(f"{', '.join(unjudged)}: fewer than 2 complete repeats, no verdict")
+        near = loi[_mask(loi, _no) & loi.param_distance_last.notna()].sort_values("param_distance_last")
         if len(near):
             r = near.iloc[0]
-            s.append(
+            parts.append(
                 f"{r.source} comes closest (repeats part first in {r.first_divergence_stage} and end "
                 f"{r.param_distance_last:.2g} apart in parameter L2, all-off {_all_off_distance(t):.2g})"
             )
         spread = t[t.reward_spread.notna()].sort_values("reward_spread", ascending=False)
         if len(spread) and spread.reward_spread.iloc[0] > 0:
             top = spread.iloc[0]
-            s.append(
+            parts.append(
                 f"the widest reward spread across repeats is {top.ablation} "
-                f"({top.reward_spread:.3g}, 95% CI {top.reward_spread_lo:.3g}-{top.reward_spread_hi:.3g})"
+                f"({top.reward_spread:.3g}, 95% CI {_ci(top.reward_spread_lo, top.reward_spread_hi)})"
             )
-        out.append("; ".join(s) + ".")
+        out.append(f"**{setting}**: " + "; ".join(parts) + ".")
     return out

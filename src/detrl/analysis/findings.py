@@ -23,6 +23,28 @@ def without(cell: str, *keys: str) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(parse_cell(cell).items()) if k not in keys) or "all"
 
 
+# the keys a report lays out by (colour, line style, ablation rows): kept in labels even when one value
+LAYOUT_KEYS = ("determinism", "partial", "ablation")
+
+
+def common_settings(cells) -> dict[str, str]:
+    """The settings every cell shares (overrides outside the sweep's grid, e.g. `steps=3`), layout keys aside:
+    labels leave them out, the summary states them once.
+
+    >>> common_settings(["determinism=on,steps=3", "determinism=off,steps=3"])
+    {'steps': '3'}
+    """
+    parsed = [parse_cell(c) for c in cells]
+    if not parsed:
+        return {}
+    shared = set(parsed[0].items()).intersection(*(p.items() for p in parsed[1:]))
+    return {k: v for k, v in sorted(shared) if k not in LAYOUT_KEYS}
+
+
+def _plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def _fmt(x: float) -> str:
     return "0" if x == 0 else f"{x:.3g}"
 
@@ -110,37 +132,57 @@ def facts(sweep: Sweep) -> dict:
     return f
 
 
+def _on_clause(on: dict) -> str:
+    n, k = on["cells"], on["identical"]
+    if n == 1:
+        return f"the determinism=on cell is {'' if k else 'not '}bitwise identical across its repeats"
+    return f"{k} of the {n} determinism=on cells are bitwise identical across repeats"
+
+
 def divergence_sentence(f: dict) -> str:
     on, off = f["on"], f["off"]
-    parts = []
-    if on["cells"]:
-        parts.append(
-            f"{on['identical']} of {on['cells']} determinism=on cells are bitwise identical across repeats"
-        )
+    parts = [_on_clause(on)] if on["cells"] else []
     if off["cells"] and off["diverging"]:
         stages = ", ".join(f"{s} in {n} of them" for s, n in off["stages"].most_common())
         steps = " or ".join(str(s) for s in off["first_steps"])
+        which = (
+            "the determinism=off cell diverges"
+            if off["cells"] == 1
+            else f"{off['diverging']} of the {off['cells']} determinism=off cells diverge"
+        )
+        stages = stages.replace(" in 1 of them", "") if off["diverging"] == 1 else stages
         parts.append(
-            f"{off['diverging']} of {off['cells']} determinism=off cells diverge, at step {steps}; "
-            f"the first stage to differ (order -> tokens -> logprobs -> params) is {stages}"
+            f"{which}, at step {steps}; the first stage to differ (order -> tokens -> logprobs -> params) is "
+            f"{stages}"
         )
     elif off["cells"]:
-        parts.append(f"none of the {off['cells']} determinism=off cells diverge")
+        parts.append(
+            "the determinism=off cell does not diverge"
+            if off["cells"] == 1
+            else f"none of the {off['cells']} determinism=off cells diverge"
+        )
     if f["incomplete_cells"]:
-        parts.append(f"{f['incomplete_cells']} cells have fewer than 2 complete repeats")
+        n = f["incomplete_cells"]
+        parts.append(f"{_plural(n, 'cell')} {'has' if n == 1 else 'have'} fewer than 2 complete repeats")
     return _sentence(parts) or "No cells."
 
 
 def distance_sentence(f: dict) -> str:
     if "distance_step" not in f:
+        if f["on"]["cells"] + f["off"]["cells"] == 0:
+            return "No cell has 2 complete repeats, so no distances between repeats."
         return "No drift sketches were logged (runs from before drift.jsonl), so no distances."
     out = []
     off, on = f["off"].get("distance_last"), f["on"].get("distance_last")
     if off:
         rel = f" = {100 * off[0] / f['param_norm']:.2g}% of the parameter norm" if f.get("param_norm") else ""
         out.append(
-            f"off repeats end {_fmt(off[0])} apart in parameter L2 at step {f['distance_step']}{rel} "
-            f"(median over cells; pairs range {_fmt(off[1])}-{_fmt(off[2])})"
+            f"off repeats end {_fmt(off[0])} apart in parameter L2 at step {f['distance_step']}{rel}"
+            + (
+                ""
+                if _fmt(off[1]) == _fmt(off[2])
+                else f" (median over cells; pairs range {_fmt(off[1])}-{_fmt(off[2])})"
+            )
         )
     if on:
         out.append(
@@ -155,11 +197,12 @@ def time_sentence(f: dict) -> str:
     r = f.get("time_ratio")
     if not r:
         return ""
-    return (
-        f"determinism=on changes the median step time by {100 * (r[0] - 1):+.0f}% "
-        f"({100 * (r[1] - 1):+.0f}% to {100 * (r[2] - 1):+.0f}% across settings"
-        + (f"; repeats of one cell differ by up to {f['time_noise']:.2f}x" if f.get("time_noise") else "")
-        + ")"
+    lo, hi = f"{100 * (r[1] - 1):+.0f}%", f"{100 * (r[2] - 1):+.0f}%"
+    notes = [f"{lo} to {hi} across settings"] if lo != hi else []
+    if f.get("time_noise"):
+        notes.append(f"repeats of one cell differ by up to {f['time_noise']:.2f}x")
+    return f"determinism=on changes the median step time by {100 * (r[0] - 1):+.0f}%" + (
+        f" ({'; '.join(notes)})" if notes else ""
     )
 
 

@@ -102,7 +102,7 @@ def _verdicts(sweep: Sweep) -> pd.DataFrame:
         m = sweep.metrics[sweep.metrics.run.isin(names)] if len(sweep.metrics) else sweep.metrics
         n = distinct_trajectories(rows) if rows else 0
         verdict = (
-            "incomplete"
+            ("1 complete repeat: nothing to compare" if rows else "no complete repeat")
             if len(rows) < 2
             else "bitwise identical"
             if n == 1
