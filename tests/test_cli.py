@@ -42,3 +42,16 @@ def _last_reward(run_dir):
     import json
 
     return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["critic/score/mean"]
+
+
+def test_neither_entrypoint_configures_a_log_file():
+    """Nothing logs through `logging` but to the console: Hydra's default file handler wrote empty
+    train.log / probe.log files."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import CONF
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        for name in ("train", "probe"):
+            handlers = compose(name, return_hydra_config=True).hydra.job_logging.handlers
+            assert "file" not in handlers and "console" in handlers, name

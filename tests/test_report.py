@@ -8,6 +8,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 from detrl.analysis import load_sweep
+from detrl.analysis.ablation import ablation_table, ablation_title
 from detrl.analysis.findings import common_settings, distance_sentence, divergence_sentence, time_sentence
 from detrl.report import fig_cost, fig_reward, main, render
 from tests.conftest import ROOT
@@ -65,6 +66,11 @@ def test_a_partial_ablation_states_findings_only_of_the_cells_it_ran(ablation, t
     )
     assert "pinned alone" not in section and "restore" not in section  # no only_* cell ran
     assert "4 runs in 2 cells" in summary and "2 complete repeats per cell" in summary
+    title = ablation_title(ablation_table(load_sweep(ablation[0])))
+    assert (
+        title.startswith("Released alone from on, sampling keeps repeats bitwise identical")
+        and "pinned" not in title
+    )
 
 
 def test_an_outputs_runs_date_dir_of_single_runs_renders(tmp_path):

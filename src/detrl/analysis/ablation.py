@@ -152,16 +152,18 @@ def _clauses(loo: pd.DataFrame, loi: pd.DataFrame) -> tuple[str | None, str | No
     if len(loo):
         b = _sources(loo, _no)
         released = f"{', '.join(b)} {'breaks' if len(b) == 1 else 'break'} bitwise repeats" if b else None
-        released = released or f"{_list_or(sorted(set(loo.source)))} keeps them bitwise"
+        released = released or f"{_names(loo, 'keeps', 'keep')} repeats bitwise identical"
     if len(loi):
         r = _sources(loi, _yes)
         pinned = f"{', '.join(r)} {'restores' if len(r) == 1 else 'restore'} bitwise repeats" if r else None
-        pinned = pinned or f"none of {', '.join(sorted(set(loi.source)))} restores them"
+        pinned = pinned or f"none of {', '.join(sorted(set(loi.source)))} restores bitwise repeats"
     return released, pinned
 
 
-def _list_or(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else "each of " + ", ".join(names)
+def _names(t: pd.DataFrame, one: str, many: str) -> str:
+    """ "sampling keeps" / "sampling, routing keep": the sources of the cells that ran, with the verb."""
+    names = sorted(set(t.source))
+    return f"{', '.join(names)} {one if len(names) == 1 else many}"
 
 
 def ablation_title(table: pd.DataFrame) -> str:
@@ -205,7 +207,7 @@ def ablation_findings(table: pd.DataFrame) -> list[str]:
                 + (
                     ", ".join(breaks) + " make repeats diverge"
                     if breaks
-                    else "no source makes repeats diverge"
+                    else _names(loo, "keeps", "keep") + " repeats bitwise identical"
                 )
             )
         if (~equal).any():
@@ -219,7 +221,7 @@ def ablation_findings(table: pd.DataFrame) -> list[str]:
                 + (
                     ", ".join(restores) + " restore bitwise repeats"
                     if restores
-                    else "no single source restores bitwise repeats"
+                    else f"none of {', '.join(sorted(set(loi.source)))} restores bitwise repeats"
                 )
             )
         unjudged = sorted(set(t.ablation) - set(t[_mask(t, lambda r: r is not None)].ablation))
