@@ -8,44 +8,17 @@ accumulation over micro-batches sums to exactly the mini-batch loss.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
-ADV_ESTIMATORS: dict[str, Callable] = {}
-
-
-def register_adv_estimator(name: str):
-    def deco(fn):
-        if name in ADV_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
-
-
-@register_adv_estimator("grpo")
-def grpo_advantages(
-    scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True, epsilon: float = 1e-6
-) -> torch.Tensor:
-    """Group-normalised outcome advantages, one scalar per sequence.
-
-    A_i = (r_i - mean_g) / (std_g + eps) with the unbiased std; Dr. GRPO (norm_by_std=False) drops the
-    division. A group of one gets 0: a lone sample has no baseline.
-
-    >>> grpo_advantages(torch.tensor([1., 0., 0., 1.]), torch.tensor([0, 0, 0, 0]))
-    tensor([ 0.8660, -0.8660, -0.8660,  0.8660])
-    """
-    adv = torch.zeros_like(scores)
-    for g in torch.unique(group_ids):
-        idx = group_ids == g
-        r = scores[idx]
-        if r.numel() < 2:
-            continue
-        centred = r - r.mean()
-        adv[idx] = centred / (r.std(unbiased=True) + epsilon) if norm_by_std else centred
-    return adv
+# verl's agg_loss modes (b178a3c) and token-sum (a plain sum over the batch's tokens)
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "token-sum",
+)
 
 
 def compute_policy_loss(
@@ -92,7 +65,8 @@ def agg_loss(
     token-mean: Σ loss·mask / batch_num_tokens; seq-mean-token-mean: Σ over sequences of per-sequence
     means (Σ loss·mask / (tokens + 1e-8)) / global_batch_size; seq-mean-token-sum: Σ of per-sequence sums /
     global_batch_size; seq-mean-token-sum-norm: Σ loss·mask / loss_scale_factor (a constant, default T:
-    no division by the number of sequences). All modes multiply by dp_size (the data-parallel ranks whose
+    no division by the number of sequences; verl @ b178a3c, since 6e6ae96c6); token-sum: Σ loss·mask, no
+    denominator at all (the learning rate absorbs the batch size). All modes multiply by dp_size (the data-parallel ranks whose
     gradients are averaged: 1 on one process; under torchrun with determinism=off, detrl.distributed).
     The denominators default to this batch's (valid tokens, sequences with a response token); under
     gradient accumulation pass the optimizer step's (mini-batch) ones so the micro-batches sum to the
@@ -119,10 +93,9 @@ def agg_loss(
     if mode == "seq-mean-token-sum-norm":
         factor = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
         return (loss * mask).sum(-1).sum() / factor * dp_size  # dp_size: averaged gradients sum the ranks'
-    raise ValueError(
-        f"loss_agg_mode={mode!r} is not valid; choose one of "
-        "['token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm']"
-    )
+    if mode == "token-sum":
+        return (loss * mask).sum() * dp_size
+    raise ValueError(f"loss_agg_mode={mode!r} is not valid; choose one of {list(LOSS_AGG_MODES)}")
 
 
 def _nonzero(n: torch.Tensor) -> torch.Tensor:
@@ -176,21 +149,38 @@ def warmup_steps(lr_warmup_steps: int, ratio: float, total_steps: int) -> int:
     return int(ratio * total_steps) if lr_warmup_steps < 0 else lr_warmup_steps
 
 
+KL_BASE = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# verl's straight-through names: the base estimator's value with k2's gradient (k2+ / mse+ are k2 itself)
+KL_TYPES = KL_BASE + tuple(f"{k}+" for k in KL_BASE)
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate between the policy and a reference, from the sampled tokens' logprobs."""
+    """Per-token KL estimate between the policy and a reference, from the sampled tokens' logprobs.
+
+    A name ending in "+" (verl `kl_penalty` @ b178a3c, verl/trainer/ppo/core_algos.py) is straight-through:
+    the value of the base estimator, the gradient of k2 = (log p - log ref)^2 / 2, whose expected gradient is
+    the KL's (k1's and k3's are not; http://joschu.net/blog/kl-approx.html). verl passes the "+" on to its
+    forward, which knows only the base names; here the base is taken without it."""
+    if kind not in KL_TYPES:
+        raise ValueError(f"kl_loss_type={kind!r} is not valid; choose one of {list(KL_TYPES)}")
+    base = kind.rstrip("+")
+    value = _kl_forward(logp, ref_logp, base)
+    if not kind.endswith("+") or base in ("mse", "k2"):
+        return value
+    k2 = 0.5 * (logp - ref_logp).square()
+    return k2 - k2.detach() + value.detach()
+
+
+def _kl_forward(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     if kind in ("kl", "k1"):
         return logp - ref_logp
     if kind == "abs":
         return (logp - ref_logp).abs()
     if kind in ("mse", "k2"):
         return 0.5 * (logp - ref_logp).square()
-    if kind in ("low_var_kl", "k3"):
-        delta = (ref_logp - logp).clamp(-20.0, 20.0)
-        # exp(d) - d - 1 written as expm1(d) - d: in float32 the plain form rounds below 0 for tiny d
-        return (torch.expm1(delta) - delta).clamp(-10.0, 10.0)
-    raise ValueError(
-        f"kl_loss_type={kind!r} is not valid; choose one of ['kl', 'k1', 'abs', 'mse', 'k2', 'low_var_kl', 'k3']"
-    )
+    delta = (ref_logp - logp).clamp(-20.0, 20.0)  # low_var_kl / k3
+    # exp(d) - d - 1 written as expm1(d) - d: in float32 the plain form rounds below 0 for tiny d
+    return (torch.expm1(delta) - delta).clamp(-10.0, 10.0)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
