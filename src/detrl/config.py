@@ -135,7 +135,7 @@ class AlgoConfig:
     kl_penalty: str = "kl"  # the estimator in the reward (the names of kl_loss_type)
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     entropy_coeff: float = 0.0
-    # seq-mean-token-sum-norm divides the summed token losses by this constant (verl's loss_scale_factor);
+    # seq-mean-token-sum-norm and token-sum-norm divide by this constant (verl's loss_scale_factor);
     # null = rollout.max_new_tokens (the response length)
     loss_scale_factor: int | None = None
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n sequences), as verl; 0 or >= train_batch_size = the whole batch

@@ -1,6 +1,6 @@
 """Advantage estimators by verl's `algorithm.adv_estimator` names: `ADV_ESTIMATORS[name](rewards, mask, groups, cfg)`.
 
-Formulas from verl `verl/trainer/ppo/core_algos.py` @ b178a3c (`register_adv_est`) and, for `scale_rewards`,
+Formulas from verl `verl/trainer/ppo/core_algos.py` @ 1dda039 (verl-project/verl, `register_adv_est`) and, for `scale_rewards`,
 TRL `trl/trainer/grpo_trainer.py` @ f2cd577 (`_generate_and_score_completions`); the code is detrl's own.
 Every estimator takes token-level rewards [N, T] (the task reward on each sequence's last response token, minus
 the in-reward KL when `algo.use_kl_in_reward`), the response mask [N, T], the prompt-group id of each sequence
@@ -134,13 +134,14 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @ADV_ESTIMATORS.register("reinforce_plus_plus")
 def reinforce_plus_plus(rewards, mask, group_ids, cfg):
     """REINFORCE++ (arXiv 2501.03262; verl `compute_reinforce_plus_plus_outcome_advantage`): discounted
-    returns-to-go (gamma = `algo.gamma`, reset after each response), whitened over the batch's tokens."""
+    returns-to-go (gamma = `algo.gamma`), whitened over the batch's tokens. As verl since b178a3c, positions
+    off the mask carry the running return through unchanged (multi-turn observation spans) and get 0."""
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + cfg.gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
+        new = rewards[:, t] + cfg.gamma * running
+        returns[:, t] = new * mask[:, t]
+        running = new * mask[:, t] + running * (1 - mask[:, t])
     return masked_whiten(returns, mask) * mask
 
 

@@ -11,13 +11,14 @@ import math
 
 import torch
 
-# verl's agg_loss modes (b178a3c) and token-sum (a plain sum over the batch's tokens)
+# verl's agg_loss modes (1dda039) and token-sum-norm (verl's seq-mean-token-sum-norm until b178a3c)
 LOSS_AGG_MODES = (
     "token-mean",
     "seq-mean-token-mean",
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
     "token-sum",
+    "token-sum-norm",
 )
 
 
@@ -60,14 +61,17 @@ def agg_loss(
     loss_scale_factor: float | None = None,
     dp_size: int = 1,
 ) -> torch.Tensor:
-    """Aggregate a per-token loss [B, T] into a scalar, as verl's `agg_loss` (core_algos.py) does.
+    """Aggregate a per-token loss [B, T] into a scalar, as verl's `agg_loss` (verl/trainer/ppo/core_algos.py,
+    verl-project/verl @ 1dda039, 2026-08-22) does.
 
-    token-mean: Σ loss·mask / batch_num_tokens; seq-mean-token-mean: Σ over sequences of per-sequence
-    means (Σ loss·mask / (tokens + 1e-8)) / global_batch_size; seq-mean-token-sum: Σ of per-sequence sums /
-    global_batch_size; seq-mean-token-sum-norm: Σ loss·mask / loss_scale_factor (a constant, default T:
-    no division by the number of sequences; verl @ b178a3c, since 6e6ae96c6); token-sum: Σ loss·mask, no
-    denominator at all (the learning rate absorbs the batch size). All modes multiply by dp_size (the data-parallel ranks whose
-    gradients are averaged: 1 on one process; under torchrun with determinism=off, detrl.distributed).
+    token-mean: Σ loss·mask / batch_num_tokens; token-sum: Σ loss·mask; seq-mean-token-mean: Σ over sequences
+    of per-sequence means (Σ loss·mask / (tokens + 1e-8)) / global_batch_size; seq-mean-token-sum: Σ of
+    per-sequence sums / global_batch_size; seq-mean-token-sum-norm: seq-mean-token-sum / loss_scale_factor (a
+    constant, default T; Dr. GRPO's mean over sequences of token sums / the horizon; verl since PR 5417).
+    token-sum-norm: Σ loss·mask / loss_scale_factor, no division by the number of sequences: what verl
+    called seq-mean-token-sum-norm from 6e6ae96c6 to b178a3c (detrl's before, kept under its own name).
+    All modes multiply by dp_size (the data-parallel ranks whose gradients are averaged: 1 on one process;
+    under torchrun with determinism=off, detrl.distributed).
     The denominators default to this batch's (valid tokens, sequences with a response token); under
     gradient accumulation pass the optimizer step's (mini-batch) ones so the micro-batches sum to the
     mini-batch's loss. Sequences with no response token add nothing. One deviation: a batch with no
@@ -79,7 +83,8 @@ def agg_loss(
             mask.sum() if batch_num_tokens is None else torch.as_tensor(batch_num_tokens, dtype=loss.dtype)
         )
         return (loss * mask).sum() / _nonzero(n_tok) * dp_size
-    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+    factor = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         seq_losses = (loss * mask).sum(-1)
         if mode == "seq-mean-token-mean":
             seq_losses = seq_losses / (seq_tokens + 1e-8)
@@ -89,9 +94,9 @@ def agg_loss(
             if global_batch_size is None
             else torch.as_tensor(global_batch_size, dtype=loss.dtype)
         )
-        return (seq_losses * seq_mask).sum() / _nonzero(n_seq) * dp_size
-    if mode == "seq-mean-token-sum-norm":
-        factor = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        out = (seq_losses * seq_mask).sum() / _nonzero(n_seq) * dp_size
+        return out / factor if mode == "seq-mean-token-sum-norm" else out
+    if mode == "token-sum-norm":
         return (loss * mask).sum(-1).sum() / factor * dp_size  # dp_size: averaged gradients sum the ranks'
     if mode == "token-sum":
         return (loss * mask).sum() * dp_size
@@ -157,10 +162,9 @@ KL_TYPES = KL_BASE + tuple(f"{k}+" for k in KL_BASE)
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate between the policy and a reference, from the sampled tokens' logprobs.
 
-    A name ending in "+" (verl `kl_penalty` @ b178a3c, verl/trainer/ppo/core_algos.py) is straight-through:
+    A name ending in "+" (verl `kl_penalty` @ 1dda039, verl/trainer/ppo/core_algos.py) is straight-through:
     the value of the base estimator, the gradient of k2 = (log p - log ref)^2 / 2, whose expected gradient is
-    the KL's (k1's and k3's are not; http://joschu.net/blog/kl-approx.html). verl passes the "+" on to its
-    forward, which knows only the base names; here the base is taken without it."""
+    the KL's (k1's and k3's are not; http://joschu.net/blog/kl-approx.html)."""
     if kind not in KL_TYPES:
         raise ValueError(f"kl_loss_type={kind!r} is not valid; choose one of {list(KL_TYPES)}")
     base = kind.rstrip("+")

@@ -1,6 +1,6 @@
 """KL in the reward (verl's `algorithm.use_kl_in_reward`) and its coefficient controllers.
 
-Follows verl @ b178a3c: `apply_kl_penalty` (verl/trainer/ppo/ray_trainer.py) and `FixedKLController` /
+Follows verl @ 1dda039 (verl-project/verl): `apply_kl_penalty` (verl/trainer/ppo/ray_trainer.py) and `FixedKLController` /
 `AdaptiveKLController` (verl/trainer/ppo/core_algos.py, Ziegler et al. arXiv 1909.08593); the code is
 detrl's own. The token rewards become score - beta * kl_t with kl_t = kl_penalty(old, ref, `algo.kl_penalty`)
 on the response tokens; the controller then moves beta once per step. Beside it, the KL *loss*

@@ -1,7 +1,7 @@
 """Policy losses by verl's `actor.policy_loss.loss_mode` names: `POLICY_LOSSES[name](logp, old_logp, adv, mask, cfg)`.
 
-Formulas from verl `verl/trainer/ppo/core_algos.py` @ b178a3c (`register_policy_loss`, 2026-01-29); the code is
-detrl's own. Each function returns (per-token loss [B, T], metrics) and the caller aggregates with the one
+Formulas from verl `verl/trainer/ppo/core_algos.py` @ 1dda039 (verl-project/verl, 2026-08-22; these eight
+unchanged since volcengine/verl b178a3c), `register_policy_loss`; the code is detrl's own. Each function returns (per-token loss [B, T], metrics) and the caller aggregates with the one
 `agg_loss` (and applies rollout-correction weights), so `algo.loss_agg_mode` acts on every loss. verl forces
 `seq-mean-token-mean` inside `gspo` and `sapo` and takes a plain mean over sequences in `geo_mean`: the presets
 set that mode (`algo=gspo`), and `geo_mean` returns its sequence loss on every token of the sequence, which
