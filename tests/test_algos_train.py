@@ -56,6 +56,32 @@ def test_option_trains_reproducibly_and_differs_from_the_default(tmp_path, opts,
     assert all(set(r) == set(a[0]) for r in a)
 
 
+def test_rejection_and_batch_normalised_weights_are_exact_no_ops_under_on(tmp_path, default_run):
+    rows = run_tiny(
+        tmp_path,
+        *SHORT,
+        "algo.rollout_correction=tis",
+        "algo.rollout_corr.rollout_is_batch_normalize=true",
+        "algo.rollout_corr.rollout_rs='token_k1,seq_sum_k1,seq_mean_k3,seq_max_k2'",
+        "algo.rollout_corr.rollout_rs_threshold='1.0_1.0,1.0_1.0,1e-12,1e-12'",  # only ratio 1 passes
+    )
+    assert [[r[k] for k in FP_KEYS] for r in rows] == [[r[k] for k in FP_KEYS] for r in default_run]
+    assert all(r["rollout_corr/rejected_frac"] == 0.0 and r["actor/loss_token_frac"] == 1.0 for r in rows)
+
+
+def test_rejection_under_off_leaves_the_loss(tmp_path):
+    rows = run_tiny(
+        tmp_path,
+        *SHORT,
+        "determinism=off",
+        "algo.rollout_corr.rollout_rs=token_k2",
+        "algo.rollout_corr.rollout_rs_threshold='1e-30'",  # any mismatch at all is rejected
+    )
+    frac = [r["rollout_corr/rejected_frac"] for r in rows]
+    assert all(f == pytest.approx(1.0 - r["actor/loss_token_frac"]) for f, r in zip(frac, rows))
+    assert any(f > 0 for f in frac)  # off's batch variance differs somewhere (float32, ~1e-7)
+
+
 def test_adaptive_kl_coef_moves_and_is_logged(tmp_path):
     rows = run_tiny(
         tmp_path,
@@ -92,6 +118,10 @@ def test_adaptive_kl_coef_resumes_exactly(tmp_path):
         ("algo.adv_estimator=gae", "algo.adv_estimator='gae' is not valid; choose one of ['grpo'"),
         ("algo.kl_loss_type=k4+", "algo.kl_loss_type='k4+' is not valid; choose one of ['kl'"),
         ("algo.loss_agg_mode=sum", "algo.loss_agg_mode='sum' is not valid; choose one of ['token-mean'"),
+        (
+            "algo.rollout_corr.rollout_rs=token_k4",
+            "algo.rollout_corr.rollout_rs='token_k4' is not valid; choose a",
+        ),
     ],
 )
 def test_a_bad_name_fails_in_one_line(override, needle):

@@ -82,6 +82,13 @@ class RolloutCorrParams:
     lower: float = 0.5  # mis: tokens with ratio outside [lower, upper] leave the loss; lower <= 1
     upper: float = 5.0  # upper >= 1
     mis_weight: str = "ratio"  # ratio (IcePop: kept tokens weighted by their ratio) | one (rejection only)
+    # verl's rejection sampling: a comma-separated chain of token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3,
+    # seq_max_k2|k3 ("" = none); rejected tokens leave the loss and its denominators (any rollout_correction)
+    rollout_rs: str = ""
+    rollout_rs_threshold: str = (
+        "2.0"  # one for all or one per filter; k1: lower_upper on the ratio (u = 1/u_u)
+    )
+    rollout_is_batch_normalize: bool = False  # tis / mis weights divided by their batch mean
 
 
 @dataclass
@@ -490,6 +497,12 @@ def validate(cfg: TrainConfig) -> None:
             "algo.rollout_correction",
             a.rollout_correction,
             "must be none with algo.old_logprobs=current (its weights need every old logprob before the loss)",
+        )
+        _check(
+            not a.rollout_corr.rollout_rs,
+            "algo.rollout_corr.rollout_rs",
+            a.rollout_corr.rollout_rs,
+            "must be empty with algo.old_logprobs=current (rejection needs every old logprob before the loss)",
         )
     _check(
         cfg.determinism.name in ("on", "off"),

@@ -161,8 +161,9 @@ def update(
     adv = adv(old, ref_logp) if callable(adv) else adv  # KL in the reward needs old and ref first
     adv = adv if adv.dim() == 2 else adv[:, None].expand_as(batch.mask)
     policy_loss = POLICY_LOSSES.get_fn(a.policy_loss)
-    # trainer/rollout mismatch correction (TIS / MIS), weights on the policy loss; ones under determinism=on
-    corr_w, _, corr_metrics = rollout_correction(
+    # trainer/rollout mismatch correction (TIS / MIS weights on the policy loss; rollout_rs rejects tokens from the
+    # loss mask and its denominators); ones and the same mask under determinism=on
+    corr_w, train_mask, corr_metrics = rollout_correction(
         old, batch.rollout_logp, train_mask, a.rollout_correction, **vars(a.rollout_corr)
     )
     # --- 2. mini-batches x epochs, one optimizer step each
