@@ -152,6 +152,11 @@ class AlgoConfig:
     # same weights: one forward less a step); current needs ppo_epochs=1, one mini-batch, rollout_correction=none
     old_logprobs: str = "recompute"
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    # prompts drawn per generation round (verl's data.gen_batch_size; the DAPO recipe uses 3 x train_batch_size);
+    # 0 = train_batch_size. Groups beyond train_batch_size that pass the filter are left out, as verl
+    gen_batch_size: int = 0
+    # verl's trainer.balance_batch: reorder each mini-batch so its micro-batches carry near-equal token counts
+    balance_batch: bool = False
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     # trainer/rollout mismatch correction of the policy loss: none | tis (truncated IS) | mis (masked IS, IcePop);
     # the ratio is old (trainer) / behaviour (rollout): exactly 1 under determinism=on, so both are no-ops there
@@ -476,6 +481,12 @@ def validate(cfg: TrainConfig) -> None:
         "must be > 0 (or null = rollout.max_new_tokens)",
     )
     _check(a.ppo_epochs >= 1, "algo.ppo_epochs", a.ppo_epochs, "must be >= 1")
+    _check(
+        a.gen_batch_size == 0 or a.gen_batch_size >= cfg.train_batch_size,
+        "algo.gen_batch_size",
+        a.gen_batch_size,
+        f"must be 0 (= train_batch_size) or >= train_batch_size={cfg.train_batch_size}",
+    )
     mini = a.ppo_mini_batch_size
     _check(
         mini >= 0 and (mini == 0 or mini >= cfg.train_batch_size or cfg.train_batch_size % mini == 0),
