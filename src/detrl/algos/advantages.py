@@ -55,7 +55,7 @@ def _tokens(seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @ADV_ESTIMATORS.register("grpo")
-def grpo(rewards, mask, group_ids, cfg):
+def grpo(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
     """GRPO (verl `compute_grpo_outcome_advantage`); `scale_rewards=group` divides by the group's std (verl,
     TRL's default), `batch` by the std over the batch (TRL, following "Tricks or Traps", arXiv 2508.08221),
     `none` not at all (Dr. GRPO, verl's norm_adv_by_std_in_grpo=False)."""
@@ -68,7 +68,7 @@ def grpo(rewards, mask, group_ids, cfg):
 
 
 @ADV_ESTIMATORS.register("rloo")
-def rloo(rewards, mask, group_ids, cfg):
+def rloo(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
     """RLOO (arXiv 2402.14740; verl `compute_rloo_outcome_advantage`): r_i minus the mean of the group's
     other rewards, n/(n-1) (r_i - mean_g); a group of one keeps its raw reward, as verl."""
     scores = rewards.sum(-1)
@@ -81,7 +81,7 @@ def rloo(rewards, mask, group_ids, cfg):
 
 
 @ADV_ESTIMATORS.register("opo")
-def opo(rewards, mask, group_ids, cfg):
+def opo(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
     """OPO (arXiv 2505.23585; verl `compute_opo_outcome_advantage`): r_i minus the length-weighted group
     baseline sum_j |y_j| r_j / sum_j |y_j| (0 for a group of one)."""
     scores, lengths = rewards.sum(-1), mask.sum(-1)
@@ -93,7 +93,7 @@ def opo(rewards, mask, group_ids, cfg):
 
 
 @ADV_ESTIMATORS.register("gpg")
-def gpg(rewards, mask, group_ids, cfg):
+def gpg(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
     """GPG (arXiv 2504.02546; verl `compute_gpg_outcome_advantage`, f_norm 1): alpha (r_i - mean_g) with
     alpha = batch size / number of non-zero rewards (at least 1)."""
     scores = rewards.sum(-1)
@@ -105,7 +105,7 @@ def gpg(rewards, mask, group_ids, cfg):
 
 
 @ADV_ESTIMATORS.register("grpo_passk")
-def grpo_passk(rewards, mask, group_ids, cfg):
+def grpo_passk(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
     """Pass@k (arXiv 2503.19595; verl `compute_grpo_passk_outcome_advantage`): only each group's best
     response gets an advantage, r_max - r_second, divided by the group's std (+eps) when norm_adv_by_std.
     Ties: the first best (verl: torch.topk's choice)."""
@@ -132,7 +132,9 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @ADV_ESTIMATORS.register("reinforce_plus_plus")
-def reinforce_plus_plus(rewards, mask, group_ids, cfg):
+def reinforce_plus_plus(
+    rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, cfg
+) -> torch.Tensor:
     """REINFORCE++ (arXiv 2501.03262; verl `compute_reinforce_plus_plus_outcome_advantage`): discounted
     returns-to-go (gamma = `algo.gamma`), whitened over the batch's tokens. As verl since b178a3c, positions
     off the mask carry the running return through unchanged (multi-turn observation spans) and get 0."""
@@ -146,7 +148,9 @@ def reinforce_plus_plus(rewards, mask, group_ids, cfg):
 
 
 @ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
-def reinforce_plus_plus_baseline(rewards, mask, group_ids, cfg):
+def reinforce_plus_plus_baseline(
+    rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, cfg
+) -> torch.Tensor:
     """REINFORCE++-baseline (verl `compute_reinforce_plus_plus_baseline_outcome_advantage`): r_i minus the
     group mean (0 for a group of one), on every token, whitened over the batch's tokens."""
     scores = rewards.sum(-1)

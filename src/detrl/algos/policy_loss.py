@@ -18,6 +18,8 @@ from detrl.algos.core import compute_policy_loss
 from detrl.algos.registry import Registry
 
 POLICY_LOSSES = Registry("algo.policy_loss")
+Tensor = torch.Tensor
+LossOut = tuple[torch.Tensor, dict[str, torch.Tensor]]  # (per-token loss [B, T], metrics)
 SAFETY_BOUND = 20.0  # verl's clamp on log-ratios before exp
 
 
@@ -40,7 +42,7 @@ def micro_batch_seed(seed: int, step: int, start: int) -> int:
 
 
 @POLICY_LOSSES.register("vanilla")
-def vanilla(logp, old_logp, adv, mask, cfg, seed: int = 0):
+def vanilla(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg, seed: int = 0) -> LossOut:
     """Clipped PPO surrogate with dual clip (verl `compute_policy_loss_vanilla`): detrl's `compute_policy_loss`."""
     return compute_policy_loss(
         logp, old_logp, adv, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c
@@ -48,7 +50,7 @@ def vanilla(logp, old_logp, adv, mask, cfg, seed: int = 0):
 
 
 @POLICY_LOSSES.register("gspo")
-def gspo(logp, old_logp, adv, mask, cfg, seed: int = 0):
+def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg, seed: int = 0) -> LossOut:
     """GSPO (arXiv 2507.18071; verl `compute_policy_loss_gspo`): the sequence ratio
     s_i = exp(mean_t log(pi/pi_old)) on every token as s_{i,t} = sg[s_i] * pi_t / sg[pi_t] (its value s_i, its
     gradient s_i * grad log pi_t), log clamped at 10 as verl, then clipped PPO without dual clip. Aggregated
@@ -63,7 +65,7 @@ def gspo(logp, old_logp, adv, mask, cfg, seed: int = 0):
 
 
 @POLICY_LOSSES.register("cispo")
-def cispo(logp, old_logp, adv, mask, cfg, seed: int = 0):
+def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg, seed: int = 0) -> LossOut:
     """CISPO (MiniMax-M1, arXiv 2506.13585; verl `compute_policy_loss_cispo`): -sg[clip(r, 1-lo, 1+hi)] * A *
     log pi. Every token keeps a gradient (the clipped weight is a constant); pg_clipfrac: r was clipped."""
     log_ratio = (logp - old_logp).clamp(-SAFETY_BOUND, SAFETY_BOUND)
@@ -73,7 +75,7 @@ def cispo(logp, old_logp, adv, mask, cfg, seed: int = 0):
 
 
 @POLICY_LOSSES.register("sapo")
-def sapo(logp, old_logp, adv, mask, cfg, seed: int = 0):
+def sapo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg, seed: int = 0) -> LossOut:
     """SAPO (arXiv 2511.20347; verl `compute_policy_loss_sapo`): a soft gate instead of the clip,
     -f(r) * A with f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau = tau_pos where A > 0 else tau_neg."""
     p = cfg.policy_loss_args
@@ -85,13 +87,13 @@ def sapo(logp, old_logp, adv, mask, cfg, seed: int = 0):
 
 
 @POLICY_LOSSES.register("gpg")
-def gpg(logp, old_logp, adv, mask, cfg, seed: int = 0):
+def gpg(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg, seed: int = 0) -> LossOut:
     """GPG (verl `compute_policy_loss_gpg`): plain policy gradient -log pi * A, no ratio, no clip."""
     return -logp * adv, _metrics(mask, logp - old_logp)
 
 
 @POLICY_LOSSES.register("geo_mean")
-def geo_mean(logp, old_logp, adv, mask, cfg, seed: int = 0):
+def geo_mean(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg, seed: int = 0) -> LossOut:
     """GMPO (arXiv 2507.20673; verl `compute_policy_loss_geo_mean`): each token's log-ratio clipped to
     [-lo, hi] on the side the advantage's sign makes pessimistic, the sequence ratio their geometric mean,
     loss -mean_t(A) * ratio_i per sequence, here on every token of the sequence (seq-mean-token-mean gives
@@ -109,7 +111,7 @@ def geo_mean(logp, old_logp, adv, mask, cfg, seed: int = 0):
 
 
 @POLICY_LOSSES.register("clip_cov")
-def clip_cov(logp, old_logp, adv, mask, cfg, seed: int = 0):
+def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg, seed: int = 0) -> LossOut:
     """Clip-Cov (arXiv 2505.22617; verl `compute_policy_loss_clip_cov`): the clipped surrogate, where a
     random `clip_cov_ratio` share of the (micro-)batch's tokens whose centred covariance (A - mean A) *
     (log pi - mean log pi) lies in (clip_cov_lb, clip_cov_ub), among those the clip left alone, lose their
@@ -134,7 +136,7 @@ def clip_cov(logp, old_logp, adv, mask, cfg, seed: int = 0):
 
 
 @POLICY_LOSSES.register("kl_cov")
-def kl_cov(logp, old_logp, adv, mask, cfg, seed: int = 0):
+def kl_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg, seed: int = 0) -> LossOut:
     """KL-Cov (arXiv 2505.22617; verl `compute_policy_loss_kl_cov`): the unclipped surrogate -A * r, plus
     ppo_kl_coef * |log r| on the top `kl_cov_ratio` share of the (micro-)batch's tokens by centred covariance
     (A - mean A) * (log pi - mean log pi). ppo_kl is verl's mean |log r|; pg_clipfrac: the penalised share."""
