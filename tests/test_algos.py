@@ -17,7 +17,7 @@ from detrl.algos import (
     warmup_steps,
 )
 
-MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
 
 
 def test_grpo_advantages_hand_computed():
@@ -77,8 +77,10 @@ MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # the 
         ("seq-mean-token-sum", (6 + 4) / 2),
         (
             "seq-mean-token-sum-norm",
-            10 / 3,
-        ),  # Σ token sums / loss_scale_factor (default T = 3): no / sequences
+            (6 + 4) / 2 / 3,
+        ),  # seq-mean-token-sum / loss_scale_factor (default T = 3)
+        ("token-sum", 10.0),
+        ("token-sum-norm", 10 / 3),  # Σ token sums / loss_scale_factor: no / sequences (verl until b178a3c)
     ],
 )
 def test_agg_loss_hand_computed_and_masked_rows_excluded(mode, want):
@@ -94,7 +96,7 @@ def _verl_agg_loss(
     global_batch_size=None,
     loss_scale_factor=None,
 ):
-    """verl's core_algos.agg_loss (volcengine/verl b178a3c), transcribed for the comparison."""
+    """verl's core_algos.agg_loss (verl-project/verl 1dda039), transcribed for the comparison."""
 
     def masked_sum(x, m):
         return (x * m).sum()
@@ -103,12 +105,17 @@ def _verl_agg_loss(
         if batch_num_tokens is None:
             batch_num_tokens = loss_mask.sum()
         return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
-    if mode == "seq-mean-token-sum":
+    if mode == "token-sum":
+        return masked_sum(loss_mat, loss_mask) * dp_size
+    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
         seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
         seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()
         if global_batch_size is None:
             global_batch_size = seq_mask.sum()
-        return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+        loss = masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+        if mode == "seq-mean-token-sum-norm":
+            loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        return loss
     if mode == "seq-mean-token-mean":
         seq_mask = torch.sum(loss_mask, dim=-1)
         seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)
@@ -116,6 +123,7 @@ def _verl_agg_loss(
         if global_batch_size is None:
             global_batch_size = seq_mask.sum()
         return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+    # token-sum-norm: verl's seq-mean-token-sum-norm at volcengine/verl b178a3c
     seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
     if loss_scale_factor is None:
         loss_scale_factor = loss_mask.shape[-1]
@@ -127,7 +135,7 @@ def _verl_agg_loss(
     st.integers(1, 6),
     st.integers(1, 5),
     st.integers(0, 2**31 - 1),
-    st.sampled_from(MODES),
+    st.sampled_from([*MODES, "token-sum-norm"]),
     st.booleans(),
     st.integers(1, 40),
 )
@@ -145,10 +153,11 @@ def test_agg_loss_equals_verls_with_and_without_global_batch_info(b, t, seed, mo
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-12, abs=1e-12)
 
 
-def test_seq_mean_token_sum_norm_scales_with_the_batch_not_per_sequence():
-    one = agg_loss(torch.ones(1, 4), torch.ones(1, 4), "seq-mean-token-sum-norm", loss_scale_factor=4)
-    four = agg_loss(torch.ones(4, 4), torch.ones(4, 4), "seq-mean-token-sum-norm", loss_scale_factor=4)
-    assert one.item() == 1.0 and four.item() == 4.0
+def test_seq_mean_token_sum_norm_is_a_mean_over_sequences_and_token_sum_norm_is_not():
+    for mode, want_four in (("seq-mean-token-sum-norm", 1.0), ("token-sum-norm", 4.0), ("token-sum", 16.0)):
+        one = agg_loss(torch.ones(1, 4), torch.ones(1, 4), mode, loss_scale_factor=4)
+        four = agg_loss(torch.ones(4, 4), torch.ones(4, 4), mode, loss_scale_factor=4)
+        assert (one.item(), four.item()) == (4.0 if mode == "token-sum" else 1.0, want_four), mode
 
 
 def test_unknown_agg_mode_names_the_value():

@@ -20,11 +20,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 FP = ("fp/params", "fp/rollout_tokens", "fp/rollout_logprobs", "fp/batch_order")
-# (model, determinism, loss_agg_mode) of the gradient check; seq-mean-token-sum-norm has no sequence count in
+# (model, determinism, loss_agg_mode) of the gradient check; token-sum-norm has no sequence count in
 # its denominator, so it is the one that needs dp_size to survive averaging
 GRAD_CASES = [
     ("qwen3", "on", "token-mean"),
-    ("qwen3", "off", "seq-mean-token-sum-norm"),
+    ("qwen3", "off", "token-sum-norm"),
     ("qwen3_moe", "on", "seq-mean-token-mean"),
     ("qwen3_moe", "off", "token-mean"),
 ]

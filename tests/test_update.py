@@ -95,7 +95,9 @@ def _reference_grad(model, ref, cfg, det):
 
 
 @pytest.mark.parametrize("det", ["on", "off"])
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum-norm", "token-sum"]
+)
 def test_gradient_equals_the_one_batch_reference_for_any_micro_batch_size(det, mode):
     model = build_model(ModelConfig(), seed=0)
     ref = build_model(ModelConfig(), seed=1).requires_grad_(False)

@@ -37,6 +37,7 @@ class RunState:
     curve: list[float] = field(default_factory=list)
     wandb_id: str | None = None
     buffer: Any = None  # the partial-rollout buffer
+    kl_coef: float | None = None  # the in-reward KL coefficient (algo.kl_ctrl moves it)
 
 
 def checkpoint_root(run_dir: Path) -> Path:

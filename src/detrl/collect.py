@@ -7,6 +7,7 @@ on, completion order when off) and apply DAPO's dynamic sampling and overlong sh
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -131,11 +132,12 @@ def collect(engine, source: GroupSource, step: int, data_pos: int, ctx_len: int)
     cfg, det = source.cfg, source.det
     kept: list[Scored] = []
     rounds = 0
+    per_round = cfg.algo.gen_batch_size or cfg.train_batch_size  # prompts per generation round (verl's)
     while len(kept) < cfg.train_batch_size:
         rounds += 1
         source.check_rounds(rounds, len(kept), step)
-        fresh = source.new(step, data_pos, cfg.train_batch_size)
-        data_pos += cfg.train_batch_size
+        fresh = source.new(step, data_pos, per_round)
+        data_pos += per_round
         requests = [r for _, _, reqs in fresh for r in reqs]
         results = det.order(engine.generate(requests), requests)
         answers = {uid: ans for uid, ans, _ in fresh}
@@ -147,7 +149,7 @@ def collect(engine, source: GroupSource, step: int, data_pos: int, ctx_len: int)
     batch = to_tensors(kept[: cfg.train_batch_size], ctx_len, version=step - 1)
     batch.gen_rounds, batch.kept_groups = rounds, min(len(kept), cfg.train_batch_size)
     batch.stats = dict.fromkeys(PARTIAL_KEYS, 0.0)  # the same keys in every run
-    return batch, data_pos
+    return maybe_balance(batch, cfg), data_pos
 
 
 def collect_partial(
@@ -219,7 +221,77 @@ def collect_partial(
         "partial/buffer_groups": float(len(buffer.groups)),
         "response/aborted_ratio": aborted / max(calls, 1),
     }
-    return batch, data_pos
+    return maybe_balance(batch, cfg), data_pos
+
+
+def balanced_order(tokens: list[int], per_mini: int, micro: int) -> list[int]:
+    """verl's trainer.balance_batch for detrl's unit of parallelism: each mini-batch of `per_mini` rows is cut
+    into micro-batches of `micro` rows (the last may be smaller) whose token counts are near equal (under
+    torchrun, micro-batch k runs on rank k mod W), and laid out micro-batch after micro-batch. verl partitions by
+    Karmarkar-Karp across DP ranks (ray_trainer.py `_balance_batch` @ 1dda039); this is the greedy
+    longest-first rule (each row, longest first, to the open micro-batch with the fewest tokens), a function
+    of the lengths alone (ties by index), so the same under every determinism setting.
+
+    >>> balanced_order([9, 1, 8, 2], per_mini=4, micro=2)
+    [0, 1, 2, 3]
+    >>> balanced_order([9, 8, 1, 2], per_mini=4, micro=2)
+    [0, 2, 1, 3]
+    """
+    order: list[int] = []
+    for start in range(0, len(tokens), per_mini):
+        rows = range(start, min(start + per_mini, len(tokens)))
+        sizes = [min(micro, len(rows) - k) for k in range(0, len(rows), micro)]
+        parts: list[list[int]] = [[] for _ in sizes]
+        totals = [0] * len(sizes)
+        for i in sorted(rows, key=lambda i: (-tokens[i], i)):
+            j = min((p for p in range(len(parts)) if len(parts[p]) < sizes[p]), key=lambda p: (totals[p], p))
+            parts[j].append(i)
+            totals[j] += tokens[i]
+        order += [i for p in parts for i in sorted(p)]
+    return order
+
+
+def maybe_balance(batch: StepBatch, cfg: TrainConfig) -> StepBatch:
+    """`algo.balance_batch`: the batch reordered by `balanced_order`, with verl's global_seqlen/* spread metrics
+    (max - min of the micro-batches' token counts, before and after); unchanged otherwise."""
+    if not cfg.algo.balance_batch:
+        return batch
+    tokens = [len(r.request.prompt_ids) + len(r.tokens) for r in batch.results]
+    per_mini = (cfg.algo.ppo_mini_batch_size or cfg.train_batch_size) * cfg.rollout.n
+    order = balanced_order(tokens, per_mini, cfg.micro_batch_size)
+
+    cuts = _micro_slices(len(order), per_mini, cfg.micro_batch_size)
+
+    def spread(idx: list[int]) -> float:  # max - min of the micro-batches' token counts
+        totals = [sum(tokens[i] for i in idx[lo:hi]) for lo, hi in cuts]
+        return float(max(totals) - min(totals))
+
+    idx = torch.tensor(order)
+    out = dataclasses.replace(
+        batch,
+        results=[batch.results[i] for i in order],
+        **{
+            k: getattr(batch, k)[idx]
+            for k in ("scores", "correct", "group_ids", "input_ids", "mask", "rollout_logp", "versions")
+        },
+        routed_experts=None if batch.routed_experts is None else batch.routed_experts[idx],
+    )
+    before = spread(list(range(len(order))))
+    out.stats = {
+        **batch.stats,
+        "global_seqlen/minmax_diff": before,
+        "global_seqlen/balanced_minmax_diff": spread(order),
+    }
+    return out
+
+
+def _micro_slices(n: int, per_mini: int, micro: int) -> list[tuple[int, int]]:
+    """(start, stop) of every micro-batch: `micro` rows at a time within each mini-batch of `per_mini`."""
+    return [
+        (lo, min(lo + micro, start + per_mini, n))
+        for start in range(0, n, per_mini)
+        for lo in range(start, min(start + per_mini, n), micro)
+    ]
 
 
 ROUNDS_PER_RESPONSE = 4  # token_budget=0 (auto): a response takes at most this many rounds

@@ -82,12 +82,52 @@ class RolloutCorrParams:
     lower: float = 0.5  # mis: tokens with ratio outside [lower, upper] leave the loss; lower <= 1
     upper: float = 5.0  # upper >= 1
     mis_weight: str = "ratio"  # ratio (IcePop: kept tokens weighted by their ratio) | one (rejection only)
+    # verl's rejection sampling: a comma-separated chain of token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3,
+    # seq_max_k2|k3 ("" = none); rejected tokens leave the loss and its denominators (any rollout_correction)
+    rollout_rs: str = ""
+    rollout_rs_threshold: str = (
+        "2.0"  # one for all or one per filter; k1: lower_upper on the ratio (u = 1/u_u)
+    )
+    rollout_is_batch_normalize: bool = False  # tis / mis weights divided by their batch mean
+
+
+@dataclass
+class PolicyLossArgs:
+    """Loss-specific knobs of algo.policy_loss, verl's names and defaults (actor.yaml @ b178a3c)."""
+
+    tau_pos: float = 1.0  # sapo: gate temperature where A > 0
+    tau_neg: float = 1.05  # sapo: where A <= 0
+    clip_cov_ratio: float = 0.0002  # clip_cov: share of tokens whose gradient is detached
+    clip_cov_lb: float = 1.0  # clip_cov: covariance window
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # kl_cov: share of tokens with the |log r| penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: its coefficient
+
+
+@dataclass
+class KLCtrlConfig:
+    """The in-reward KL coefficient's controller (verl's algorithm.kl_ctrl)."""
+
+    type: str = "fixed"  # fixed | adaptive (Ziegler et al.: beta follows target_kl over horizon sequences)
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
 
 
 @dataclass
 class AlgoConfig:
-    name: str = "grpo"  # grpo | dapo
+    name: str = "grpo"  # the preset: grpo | dapo | gspo | rloo
+    # verl's algorithm.adv_estimator: grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | opo | gpg |
+    # grpo_passk (detrl.algos.advantages.ADV_ESTIMATORS)
     adv_estimator: str = "grpo"
+    # TRL's scale_rewards for grpo: group (divide by the group's std) | batch (by the batch's) | none;
+    # norm_adv_by_std=false is none
+    scale_rewards: str = "group"
+    gamma: float = 1.0  # reinforce_plus_plus: discount of the returns-to-go
+    # verl's actor.policy_loss.loss_mode: vanilla | gspo | cispo | sapo | gpg | geo_mean | clip_cov | kl_cov
+    # (detrl.algos.policy_loss.POLICY_LOSSES)
+    policy_loss: str = "vanilla"
+    policy_loss_args: PolicyLossArgs = field(default_factory=PolicyLossArgs)
     norm_adv_by_std: bool = True  # false = Dr. GRPO
     adv_epsilon: float = 1e-6
     clip_ratio_low: float = 0.2
@@ -96,9 +136,13 @@ class AlgoConfig:
     loss_agg_mode: str = "seq-mean-token-mean"
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: str = "low_var_kl"  # kl|k1, abs, mse|k2, low_var_kl|k3; a "+" suffix: k2's gradient
+    # KL in the reward (verl's algorithm.use_kl_in_reward): token rewards - beta * kl_penalty(old, ref)
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"  # the estimator in the reward (the names of kl_loss_type)
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     entropy_coeff: float = 0.0
-    # seq-mean-token-sum-norm divides the summed token losses by this constant (verl's loss_scale_factor);
+    # seq-mean-token-sum-norm and token-sum-norm divide by this constant (verl's loss_scale_factor);
     # null = rollout.max_new_tokens (the response length)
     loss_scale_factor: int | None = None
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n sequences), as verl; 0 or >= train_batch_size = the whole batch
@@ -108,6 +152,11 @@ class AlgoConfig:
     # same weights: one forward less a step); current needs ppo_epochs=1, one mini-batch, rollout_correction=none
     old_logprobs: str = "recompute"
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    # prompts drawn per generation round (verl's data.gen_batch_size; the DAPO recipe uses 3 x train_batch_size);
+    # 0 = train_batch_size. Groups beyond train_batch_size that pass the filter are left out, as verl
+    gen_batch_size: int = 0
+    # verl's trainer.balance_batch: reorder each mini-batch so its micro-batches carry near-equal token counts
+    balance_batch: bool = False
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     # trainer/rollout mismatch correction of the policy loss: none | tis (truncated IS) | mis (masked IS, IcePop);
     # the ratio is old (trainer) / behaviour (rollout): exactly 1 under determinism=on, so both are no-ops there
@@ -292,10 +341,8 @@ class ProbeConfig(TrainConfig):
 
 
 MODEL_NAMES = ("qwen3", "qwen3_moe")
-ALGO_NAMES = ("grpo", "dapo")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+ALGO_NAMES = ("grpo", "dapo", "gspo", "rloo")
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 LOGGER_BACKENDS = ("wandb", "none")
 MODEL_INITS = ("warmstart", "random")
@@ -314,6 +361,52 @@ def _choice(where: str, value: Any, choices: tuple) -> None:
 def _check(ok: bool, where: str, value: Any, rule: str) -> None:
     if not ok:
         raise ConfigError(f"{where}={value!r} is not valid: {rule}")
+
+
+def _validate_algo_variants(a: AlgoConfig) -> None:
+    """The registry-chosen names (each registry is the one list of choices) and their knobs."""
+    from detrl.algos.advantages import ADV_ESTIMATORS, SCALE_REWARDS
+    from detrl.algos.core import KL_TYPES, LOSS_AGG_MODES
+    from detrl.algos.kl import KL_CTRL_TYPES
+    from detrl.algos.policy_loss import POLICY_LOSSES
+
+    _choice("algo.adv_estimator", a.adv_estimator, tuple(ADV_ESTIMATORS))
+    _choice("algo.policy_loss", a.policy_loss, tuple(POLICY_LOSSES))
+    _choice("algo.scale_rewards", a.scale_rewards, SCALE_REWARDS)
+    _check(
+        a.norm_adv_by_std or a.scale_rewards != "batch",
+        "algo.scale_rewards",
+        a.scale_rewards,
+        "algo.norm_adv_by_std=false already means none (no division); drop one of the two",
+    )
+    _choice("algo.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES)
+    _choice("algo.kl_loss_type", a.kl_loss_type, KL_TYPES)
+    _choice("algo.kl_penalty", a.kl_penalty, KL_TYPES)
+    _choice("algo.kl_ctrl.type", a.kl_ctrl.type, KL_CTRL_TYPES)
+    _check(a.kl_ctrl.horizon > 0, "algo.kl_ctrl.horizon", a.kl_ctrl.horizon, "must be > 0")
+    _check(a.kl_ctrl.target_kl > 0, "algo.kl_ctrl.target_kl", a.kl_ctrl.target_kl, "must be > 0")
+    _check(0 <= a.gamma <= 1, "algo.gamma", a.gamma, "must be in [0, 1]")
+    p = a.policy_loss_args
+    _check(
+        p.tau_pos > 0 and p.tau_neg > 0,
+        "algo.policy_loss_args.tau_pos",
+        p.tau_pos,
+        "tau_pos, tau_neg must be > 0",
+    )
+    _check(
+        0 < p.clip_cov_ratio <= 1,
+        "algo.policy_loss_args.clip_cov_ratio",
+        p.clip_cov_ratio,
+        "must be in (0, 1]",
+    )
+    _check(0 < p.kl_cov_ratio <= 1, "algo.policy_loss_args.kl_cov_ratio", p.kl_cov_ratio, "must be in (0, 1]")
+    if a.use_kl_in_reward:
+        _check(
+            a.old_logprobs == "recompute",
+            "algo.old_logprobs",
+            a.old_logprobs,
+            "must be recompute with algo.use_kl_in_reward=true (the reward needs the old logprobs first)",
+        )
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -363,9 +456,7 @@ def validate(cfg: TrainConfig) -> None:
             a.routing_replay,
             f"rollout={r.backend} does not record expert ids (use rollout=embedded)",
         )
-    _choice("algo.adv_estimator", a.adv_estimator, ("grpo",))
-    _choice("algo.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES)
-    _choice("algo.kl_loss_type", a.kl_loss_type, KL_TYPES)
+    _validate_algo_variants(a)
     _check(a.clip_ratio_c > 1.0, "algo.clip_ratio_c", a.clip_ratio_c, "must be > 1")
     _check(0 <= a.clip_ratio_low < 1, "algo.clip_ratio_low", a.clip_ratio_low, "must be in [0, 1)")
     _check(a.clip_ratio_high >= 0, "algo.clip_ratio_high", a.clip_ratio_high, "must be >= 0")
@@ -390,6 +481,12 @@ def validate(cfg: TrainConfig) -> None:
         "must be > 0 (or null = rollout.max_new_tokens)",
     )
     _check(a.ppo_epochs >= 1, "algo.ppo_epochs", a.ppo_epochs, "must be >= 1")
+    _check(
+        a.gen_batch_size == 0 or a.gen_batch_size >= cfg.train_batch_size,
+        "algo.gen_batch_size",
+        a.gen_batch_size,
+        f"must be 0 (= train_batch_size) or >= train_batch_size={cfg.train_batch_size}",
+    )
     mini = a.ppo_mini_batch_size
     _check(
         mini >= 0 and (mini == 0 or mini >= cfg.train_batch_size or cfg.train_batch_size % mini == 0),
@@ -411,6 +508,12 @@ def validate(cfg: TrainConfig) -> None:
             "algo.rollout_correction",
             a.rollout_correction,
             "must be none with algo.old_logprobs=current (its weights need every old logprob before the loss)",
+        )
+        _check(
+            not a.rollout_corr.rollout_rs,
+            "algo.rollout_corr.rollout_rs",
+            a.rollout_corr.rollout_rs,
+            "must be empty with algo.old_logprobs=current (rejection needs every old logprob before the loss)",
         )
     _check(
         cfg.determinism.name in ("on", "off"),

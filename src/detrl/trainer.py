@@ -22,15 +22,16 @@ from tqdm import tqdm
 from detrl import checkpoint, distributed
 from detrl import determinism as det_mod
 from detrl.algos import (
-    ADV_ESTIMATORS,
+    POLICY_LOSSES,
     agg_loss,
-    compute_policy_loss,
     kl_penalty,
     lr_ratio,
     old_logprobs,
     warmup_steps,
 )
+from detrl.algos.advantages import StepAdvantages
 from detrl.algos.core import masked_mean
+from detrl.algos.policy_loss import micro_batch_seed
 from detrl.algos.rollout_correction import rollout_correction
 from detrl.algos.routing import layer_agreement
 from detrl.collect import GroupSource, StepBatch, collect, collect_partial
@@ -81,7 +82,7 @@ def update(
     ref_model,
     opt,
     batch: StepBatch,
-    adv: torch.Tensor,
+    adv,
     cfg: TrainConfig,
     ops,
     ctx_len,
@@ -98,6 +99,8 @@ def update(
     2. `algo.ppo_epochs` passes over `algo.ppo_mini_batch_size`-prompt mini-batches, in batch order; each
        mini-batch is one optimizer step, its gradient accumulated over `micro_batch_size`-sequence
        micro-batches with the mini-batch's denominators (verl's global batch info).
+    `adv`: advantages [N] or [N, L-1], or a callable (old, ref logprobs) -> [N, L-1] called once both are
+    known (`StepAdvantages`: KL in the reward). `algo.policy_loss` picks the loss (`POLICY_LOSSES`).
     Three policies: behaviour (the engine's rollout logprobs), old (1.), current (the grad pass). The clip
     ratio is current / old; `mismatch/*` compares old with behaviour on the tokens the current weights
     sampled (the same weights in two engines: 0 is true on-policy); pg_clipfrac / ppo_kl are token means
@@ -156,8 +159,12 @@ def update(
     old, train_mask = old_logprobs(
         stale_mode, old_trainer, batch.rollout_logp, fresh, batch.mask
     )  # reuse: per micro-batch
-    # trainer/rollout mismatch correction (TIS / MIS), weights on the policy loss; ones under determinism=on
-    corr_w, _, corr_metrics = rollout_correction(
+    adv = adv(old, ref_logp) if callable(adv) else adv  # KL in the reward needs old and ref first
+    adv = adv if adv.dim() == 2 else adv[:, None].expand_as(batch.mask)
+    policy_loss = POLICY_LOSSES.get_fn(a.policy_loss)
+    # trainer/rollout mismatch correction (TIS / MIS weights on the policy loss; rollout_rs rejects tokens from the
+    # loss mask and its denominators); ones and the same mask under determinism=on
+    corr_w, train_mask, corr_metrics = rollout_correction(
         old, batch.rollout_logp, train_mask, a.rollout_correction, **vars(a.rollout_corr)
     )
     # --- 2. mini-batches x epochs, one optimizer step each
@@ -222,16 +229,14 @@ def update(
                         entropy=bool(a.entropy_coeff),
                         experts=replayed(sl),
                     )
-                tok_adv = adv[sl, None].expand_as(logp)  # [n, L-1]
-                pg, m = compute_policy_loss(
-                    logp, old[sl], tok_adv, mask, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c
-                )
+                seed = micro_batch_seed(cfg.seed, version, sl.start)  # a loss's own draws (clip_cov)
+                pg, m = policy_loss(logp, old[sl], adv[sl], mask, a, seed=seed)
                 pg = (
                     pg * corr_w[sl]
                 )  # MIS's dropped tokens weigh 0 and still count in the denominators (IcePop)
                 loss = agg_loss(pg, mask, **agg)
                 rec = {"pg_loss": loss.item() / dp.loss_scale}
-                if ref_logp is not None:
+                if ref_logp is not None and a.use_kl_loss:
                     kl = agg_loss(kl_penalty(logp, ref_logp[sl], a.kl_loss_type), mask, **agg)
                     loss = loss + a.kl_loss_coef * kl
                     rec["kl_loss"] = kl.item() / dp.loss_scale
@@ -316,6 +321,9 @@ def layer_fingerprints(model, cfg: TrainConfig, step: int) -> dict[str, str]:
 
 
 def rollout_metrics(batch: StepBatch, adv: torch.Tensor) -> dict[str, float | str]:
+    adv = (
+        adv[batch.mask > 0] if adv.dim() == 2 else adv
+    )  # token advantages: over the response tokens, as verl
     lengths = torch.tensor([len(r.tokens) for r in batch.results], dtype=torch.float32)
     return {
         "critic/score/mean": batch.correct.mean().item(),
@@ -472,7 +480,8 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     with distributed.main_first():
         det, tokenizer, task, ctx_len, model, sampling = build(cfg)
     r = cfg.rollout
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.use_kl_loss else None
+    use_ref = cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if use_ref else None
     model.train()
     rope = rope_tables(model.config, ctx_len, det.device, det.dtype)
     # determinism=on: batch invariance proven on this device, dtype and model before step 0 (fail-closed)
@@ -518,6 +527,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
         resume_step=state.step if payload is not None else None,
     )
     data_pos, curve, exit_code = state.data_pos, state.curve, 1
+    kl_coef = cfg.algo.kl_ctrl.kl_coef if state.kl_coef is None else state.kl_coef  # KL in the reward
     try:
         bar = tqdm(
             range(state.step + 1, cfg.steps + 1),
@@ -537,9 +547,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
                 batch, data_pos = collect(engine, source, step, data_pos, ctx_len)
             batch = to_device(batch, det.device)
             t_rollout = time.perf_counter() - t0
-            adv = ADV_ESTIMATORS[cfg.algo.adv_estimator](
-                batch.scores, batch.group_ids, cfg.algo.norm_adv_by_std, cfg.algo.adv_epsilon
-            )
+            step_adv = StepAdvantages(cfg.algo, batch.scores, batch.group_ids, batch.mask, kl_coef)
             # --- update, then sync the engine's weights. The lr is a function of the step (verl's schedulers,
             # stepped once per rollout batch): nothing to checkpoint for an exact resume
             for g in opt.param_groups:
@@ -547,8 +555,10 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
                     step - 1, cfg.steps, warmup, o.lr_scheduler_type, o.min_lr_ratio, o.num_cycles
                 )
             metrics = update(
-                model, ref_model, opt, batch, adv, cfg, det.ops, ctx_len, rope, version=step - 1, dp=dp
+                model, ref_model, opt, batch, step_adv, cfg, det.ops, ctx_len, rope, version=step - 1, dp=dp
             )
+            adv, kl_coef = step_adv.value, step_adv.next_kl_coef  # computed once the old logprobs were known
+            metrics.update(step_adv.metrics)
             weights = distributed.full_state_dict(model)  # gathered under FSDP2: every rank's engine gets all
             engine.update_weights(weights)
             # --- log
@@ -567,7 +577,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             curve.append(metrics["critic/score/mean"])
             bar.set_postfix(reward=f"{curve[-1]:.3f}", step_s=f"{metrics['timing_s/step']:.2f}")
             # --- checkpoint
-            state.step, state.data_pos = step, data_pos
+            state.step, state.data_pos, state.kl_coef = step, data_pos, kl_coef
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
                 checkpoint.save(
                     run_dir, state, model, opt, ref_model, engine.generator, config, cfg.checkpoint.keep_last

@@ -8,44 +8,18 @@ accumulation over micro-batches sums to exactly the mini-batch loss.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
-ADV_ESTIMATORS: dict[str, Callable] = {}
-
-
-def register_adv_estimator(name: str):
-    def deco(fn):
-        if name in ADV_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
-
-
-@register_adv_estimator("grpo")
-def grpo_advantages(
-    scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True, epsilon: float = 1e-6
-) -> torch.Tensor:
-    """Group-normalised outcome advantages, one scalar per sequence.
-
-    A_i = (r_i - mean_g) / (std_g + eps) with the unbiased std; Dr. GRPO (norm_by_std=False) drops the
-    division. A group of one gets 0: a lone sample has no baseline.
-
-    >>> grpo_advantages(torch.tensor([1., 0., 0., 1.]), torch.tensor([0, 0, 0, 0]))
-    tensor([ 0.8660, -0.8660, -0.8660,  0.8660])
-    """
-    adv = torch.zeros_like(scores)
-    for g in torch.unique(group_ids):
-        idx = group_ids == g
-        r = scores[idx]
-        if r.numel() < 2:
-            continue
-        centred = r - r.mean()
-        adv[idx] = centred / (r.std(unbiased=True) + epsilon) if norm_by_std else centred
-    return adv
+# verl's agg_loss modes (1dda039) and token-sum-norm (verl's seq-mean-token-sum-norm until b178a3c)
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "token-sum",
+    "token-sum-norm",
+)
 
 
 def compute_policy_loss(
@@ -87,13 +61,17 @@ def agg_loss(
     loss_scale_factor: float | None = None,
     dp_size: int = 1,
 ) -> torch.Tensor:
-    """Aggregate a per-token loss [B, T] into a scalar, as verl's `agg_loss` (core_algos.py) does.
+    """Aggregate a per-token loss [B, T] into a scalar, as verl's `agg_loss` (verl/trainer/ppo/core_algos.py,
+    verl-project/verl @ 1dda039, 2026-08-22) does.
 
-    token-mean: Σ loss·mask / batch_num_tokens; seq-mean-token-mean: Σ over sequences of per-sequence
-    means (Σ loss·mask / (tokens + 1e-8)) / global_batch_size; seq-mean-token-sum: Σ of per-sequence sums /
-    global_batch_size; seq-mean-token-sum-norm: Σ loss·mask / loss_scale_factor (a constant, default T:
-    no division by the number of sequences). All modes multiply by dp_size (the data-parallel ranks whose
-    gradients are averaged: 1 on one process; under torchrun with determinism=off, detrl.distributed).
+    token-mean: Σ loss·mask / batch_num_tokens; token-sum: Σ loss·mask; seq-mean-token-mean: Σ over sequences
+    of per-sequence means (Σ loss·mask / (tokens + 1e-8)) / global_batch_size; seq-mean-token-sum: Σ of
+    per-sequence sums / global_batch_size; seq-mean-token-sum-norm: seq-mean-token-sum / loss_scale_factor (a
+    constant, default T; Dr. GRPO's mean over sequences of token sums / the horizon; verl since PR 5417).
+    token-sum-norm: Σ loss·mask / loss_scale_factor, no division by the number of sequences: what verl
+    called seq-mean-token-sum-norm from 6e6ae96c6 to b178a3c (detrl's before, kept under its own name).
+    All modes multiply by dp_size (the data-parallel ranks whose gradients are averaged: 1 on one process;
+    under torchrun with determinism=off, detrl.distributed).
     The denominators default to this batch's (valid tokens, sequences with a response token); under
     gradient accumulation pass the optimizer step's (mini-batch) ones so the micro-batches sum to the
     mini-batch's loss. Sequences with no response token add nothing. One deviation: a batch with no
@@ -105,7 +83,8 @@ def agg_loss(
             mask.sum() if batch_num_tokens is None else torch.as_tensor(batch_num_tokens, dtype=loss.dtype)
         )
         return (loss * mask).sum() / _nonzero(n_tok) * dp_size
-    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+    factor = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         seq_losses = (loss * mask).sum(-1)
         if mode == "seq-mean-token-mean":
             seq_losses = seq_losses / (seq_tokens + 1e-8)
@@ -115,14 +94,13 @@ def agg_loss(
             if global_batch_size is None
             else torch.as_tensor(global_batch_size, dtype=loss.dtype)
         )
-        return (seq_losses * seq_mask).sum() / _nonzero(n_seq) * dp_size
-    if mode == "seq-mean-token-sum-norm":
-        factor = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        out = (seq_losses * seq_mask).sum() / _nonzero(n_seq) * dp_size
+        return out / factor if mode == "seq-mean-token-sum-norm" else out
+    if mode == "token-sum-norm":
         return (loss * mask).sum(-1).sum() / factor * dp_size  # dp_size: averaged gradients sum the ranks'
-    raise ValueError(
-        f"loss_agg_mode={mode!r} is not valid; choose one of "
-        "['token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm']"
-    )
+    if mode == "token-sum":
+        return (loss * mask).sum() * dp_size
+    raise ValueError(f"loss_agg_mode={mode!r} is not valid; choose one of {list(LOSS_AGG_MODES)}")
 
 
 def _nonzero(n: torch.Tensor) -> torch.Tensor:
@@ -176,21 +154,37 @@ def warmup_steps(lr_warmup_steps: int, ratio: float, total_steps: int) -> int:
     return int(ratio * total_steps) if lr_warmup_steps < 0 else lr_warmup_steps
 
 
+KL_BASE = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# verl's straight-through names: the base estimator's value with k2's gradient (k2+ / mse+ are k2 itself)
+KL_TYPES = KL_BASE + tuple(f"{k}+" for k in KL_BASE)
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate between the policy and a reference, from the sampled tokens' logprobs."""
+    """Per-token KL estimate between the policy and a reference, from the sampled tokens' logprobs.
+
+    A name ending in "+" (verl `kl_penalty` @ 1dda039, verl/trainer/ppo/core_algos.py) is straight-through:
+    the value of the base estimator, the gradient of k2 = (log p - log ref)^2 / 2, whose expected gradient is
+    the KL's (k1's and k3's are not; http://joschu.net/blog/kl-approx.html)."""
+    if kind not in KL_TYPES:
+        raise ValueError(f"kl_loss_type={kind!r} is not valid; choose one of {list(KL_TYPES)}")
+    base = kind.rstrip("+")
+    value = _kl_forward(logp, ref_logp, base)
+    if not kind.endswith("+") or base in ("mse", "k2"):
+        return value
+    k2 = 0.5 * (logp - ref_logp).square()
+    return k2 - k2.detach() + value.detach()
+
+
+def _kl_forward(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     if kind in ("kl", "k1"):
         return logp - ref_logp
     if kind == "abs":
         return (logp - ref_logp).abs()
     if kind in ("mse", "k2"):
         return 0.5 * (logp - ref_logp).square()
-    if kind in ("low_var_kl", "k3"):
-        delta = (ref_logp - logp).clamp(-20.0, 20.0)
-        # exp(d) - d - 1 written as expm1(d) - d: in float32 the plain form rounds below 0 for tiny d
-        return (torch.expm1(delta) - delta).clamp(-10.0, 10.0)
-    raise ValueError(
-        f"kl_loss_type={kind!r} is not valid; choose one of ['kl', 'k1', 'abs', 'mse', 'k2', 'low_var_kl', 'k3']"
-    )
+    delta = (ref_logp - logp).clamp(-20.0, 20.0)  # low_var_kl / k3
+    # exp(d) - d - 1 written as expm1(d) - d: in float32 the plain form rounds below 0 for tiny d
+    return (torch.expm1(delta) - delta).clamp(-10.0, 10.0)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

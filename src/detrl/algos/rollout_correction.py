@@ -35,14 +35,25 @@ docs/algo/rollout_corr_math.md section 3.2.2). Modes:
   IcePop writes them. (verl's k1 filters, at b178a3c, compare -log r with [log lower, log upper], i.e.
   they bound 1/r; for the symmetric-in-log bounds verl's docs use, e.g. 0.5_2.0, the two agree.)
 
-The masked tokens leave the loss through the returned mask; this module does not change the loss
-denominators -- the caller keeps its global denominators, as IcePop's objective does (1/|y_i| over
-all of a sequence's tokens, masked ones contributing 0). verl instead rewrites `response_mask`, so
-its token-mean denominators shrink with the rejected tokens. Keeping the denominators also keeps
-micro-batching exact without a pre-pass over the batch.
+MIS's dropped tokens get weight 0 and stay in the returned mask, so the loss denominators still count
+them, as IcePop's objective does (1/|y_i| over all of a sequence's tokens, masked ones contributing 0).
+
+Rejection sampling (verl `rollout_rs`, `compute_rollout_rejection_mask` in
+verl/trainer/ppo/rollout_corr_helper.py @ 1dda039, verl-project/verl): `rollout_rs` is a comma-separated chain
+of filters, every one of which a token must pass: `token_k1|k2|k3`, `seq_sum_k1|k2|k3`, `seq_mean_k1|k2|k3`,
+`seq_max_k2|k3`, on the divergences of the per-token log-ratio l = old - rollout, clamped to [-20, 20] *before*
+any sum: k1 = -l, k2 = l^2 / 2, k3 = exp(l) - 1 - l. `rollout_rs_threshold` gives one threshold for all or one
+per filter (comma-separated): k1 filters take "lower_upper" on the ratio (a single value u means 1/u_u) and keep
+log(lower) <= k1 <= log(upper); k2 / k3 take an upper bound. Rejected tokens leave the returned mask, so the
+caller's loss and its denominators drop them, as verl rewrites `response_mask`. `rollout_is_batch_normalize`
+(verl's) divides the TIS / MIS weights by their mean over the batch's mask tokens (per sequence at sequence
+level), so they average 1. Under `determinism=on` every ratio is 1: no token is rejected (thresholds must keep
+l = 0), weights stay 1, the normalisation divides by 1.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -50,7 +61,20 @@ MODES = ("none", "tis", "mis")
 LEVELS = ("token", "sequence")
 MIS_WEIGHTS = ("ratio", "one")
 SAFETY_BOUND = 20.0  # verl's clamp on log-ratios before exp
-METRIC_KEYS = ("weight_mean", "weight_max", "truncated_frac", "masked_frac", "ratio_min", "ratio_max")
+METRIC_KEYS = (
+    "weight_mean",
+    "weight_max",
+    "truncated_frac",
+    "masked_frac",
+    "rejected_frac",
+    "rejected_seq_frac",
+    "ratio_min",
+    "ratio_max",
+)
+RS_OPTIONS = tuple(
+    [f"{agg}_k{k}" for agg in ("token", "seq_sum", "seq_mean") for k in (1, 2, 3)]
+    + ["seq_max_k2", "seq_max_k3"]
+)
 
 
 def validate(
@@ -60,6 +84,9 @@ def validate(
     lower: float = 0.5,
     upper: float = 5.0,
     mis_weight: str = "ratio",
+    rollout_rs: str = "",
+    rollout_rs_threshold: str = "2.0",
+    rollout_is_batch_normalize: bool = False,
     prefix: str = "rollout_correction",
 ) -> None:
     """One-line ValueError for a bad setting. The bounds are chosen so that ratio 1 (no mismatch)
@@ -81,6 +108,63 @@ def validate(
         bad("lower", lower, "the MIS lower bound must be in (0, 1]")
     if not upper >= 1.0:
         bad("upper", upper, "the MIS upper bound must be >= 1")
+    try:
+        rs_thresholds(rollout_rs, rollout_rs_threshold)
+    except ValueError as e:
+        raise ValueError(f"{prefix}.{e}") from None
+
+
+def rs_thresholds(rollout_rs: str, spec: str) -> dict[str, tuple[float | None, float]]:
+    """The chain's filters -> (lower, upper) each (lower only for k1), from verl's threshold string."""
+    options = list(dict.fromkeys(o.strip() for o in str(rollout_rs).split(",") if o.strip()))
+    for o in options:
+        if o not in RS_OPTIONS:
+            raise ValueError(
+                f"rollout_rs={o!r} is not valid; choose a comma-separated chain of {list(RS_OPTIONS)}"
+            )
+    specs = [p.strip() for p in str(spec).split(",") if p.strip()]
+    if options and len(specs) not in (1, len(options)):
+        raise ValueError(f"rollout_rs_threshold={spec!r} is not valid; give 1 or {len(options)} thresholds")
+    out = {}
+    for o, sp in zip(options, specs * len(options) if len(specs) == 1 else specs):
+        try:
+            lo, _, hi = sp.partition("_")
+            upper = float(hi or lo)
+            lower = (float(lo) if hi else 1.0 / upper) if o.endswith("k1") else None
+        except ValueError:
+            raise ValueError(
+                f"rollout_rs_threshold={spec!r} is not valid; numbers, k1 as lower_upper"
+            ) from None
+        if upper <= 0 or (lower is not None and not 0 < lower <= 1 <= upper) or (lower is None and "_" in sp):
+            raise ValueError(
+                f"rollout_rs_threshold={spec!r} is not valid for {o}: k1 needs 0 < lower <= 1 <= upper "
+                "(ratio 1 must pass), k2 / k3 one upper bound > 0"
+            )
+        out[o] = (lower, upper)
+    return out
+
+
+def rejection_mask(
+    log_ratio: torch.Tensor, mask: torch.Tensor, rollout_rs: str, threshold: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's rejection chain -> (keep [B, T] 0/1 float, rejected-sequence indicator [B]). See the module doc."""
+    keep = torch.ones_like(mask)
+    on = mask > 0
+    lr = log_ratio.detach().clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    stats = {"k1": -lr, "k2": 0.5 * lr.square(), "k3": torch.expm1(lr) - lr}
+    n = mask.sum(-1).clamp_min(1.0)
+    for option, (lower, upper) in rs_thresholds(rollout_rs, threshold).items():
+        agg, k = option.rsplit("_", 1)
+        x = stats[k]
+        if agg == "seq_sum":
+            x = (x * mask).sum(-1, keepdim=True)
+        elif agg == "seq_mean":
+            x = (x * mask).sum(-1, keepdim=True) / n.unsqueeze(-1)
+        elif agg == "seq_max":
+            x = torch.where(on, x, torch.full_like(x, -torch.inf)).amax(-1, keepdim=True).clamp_min(0.0)
+        ok = (x >= math.log(lower)) & (x <= math.log(upper)) if lower is not None else x <= upper
+        keep = keep * ok.expand_as(mask).to(mask.dtype)
+    return keep, ((keep == 0) & on).any(-1)
 
 
 def importance_ratio(
@@ -107,23 +191,30 @@ def rollout_correction(
     lower: float = 0.5,
     upper: float = 5.0,
     mis_weight: str = "ratio",
+    rollout_rs: str = "",
+    rollout_rs_threshold: str = "2.0",
+    rollout_is_batch_normalize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """-> (weights [B, T], mask [B, T], metrics). Use as `loss = agg_loss(pg * weights, mask, ...)`.
 
     weights: detached; 1.0 on tokens outside `mask` and wherever no correction applies, 0.0 on tokens
-    MIS drops. mask: the input mask with MIS's dropped tokens zeroed (the same tensor for none/tis).
+    MIS drops. mask: the input mask less the tokens `rollout_rs` rejects (the same tensor without it): the
+    loss mask, whose denominators then leave them out; MIS's drops stay in it at weight 0.
     metrics (0-d tensors over the input mask's tokens; merge micro-batches with `merge_metrics`):
     `rollout_corr/weight_mean`, `weight_max` (the weights applied; dropped tokens count as 0),
-    `truncated_frac` (TIS: ratio > cap), `masked_frac` (MIS: dropped), `ratio_min`, `ratio_max` (the raw
+    `truncated_frac` (TIS: ratio > cap), `masked_frac` (MIS: dropped), `rejected_frac` (rollout_rs: tokens
+    rejected), `rejected_seq_frac` (sequences with a rejected token), `ratio_min`, `ratio_max` (the raw
     ratio, before truncation; the sequence ratio at sequence level). Same keys for every mode.
 
     >>> old, roll, m = torch.tensor([[0.0, 0.0]]), torch.tensor([[-1.0, 0.5]]), torch.ones(1, 2)
     >>> rollout_correction(old, roll, m, "tis", cap=2.0)[0]
     tensor([[2.0000, 0.6065]])
-    >>> w, keep, _ = rollout_correction(old, roll, m, "mis", lower=0.5, upper=2.0); w, keep
-    (tensor([[0.0000, 0.6065]]), tensor([[0., 1.]]))
+    >>> rollout_correction(old, roll, m, "mis", lower=0.5, upper=2.0)[0]
+    tensor([[0.0000, 0.6065]])
+    >>> rollout_correction(old, roll, m, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")[1]
+    tensor([[0., 1.]])
     """
-    validate(mode, level, cap, lower, upper, mis_weight)
+    validate(mode, level, cap, lower, upper, mis_weight, rollout_rs, rollout_rs_threshold)
     if not old_logp.shape == rollout_logp.shape == mask.shape:
         raise ValueError(
             f"shapes differ: old_logp {tuple(old_logp.shape)}, rollout_logp {tuple(rollout_logp.shape)}, "
@@ -134,7 +225,7 @@ def rollout_correction(
     one = torch.ones_like(ratio)
     zero = torch.zeros_like(ratio)
     truncated = zero
-    out_mask = mask
+    mis_mask = mask
     if mode == "none":
         weights = one
     elif mode == "tis":
@@ -144,9 +235,31 @@ def rollout_correction(
         keep = (ratio >= lower) & (ratio <= upper)
         kept = ratio if mis_weight == "ratio" else one
         weights = torch.where(on, torch.where(keep, kept, zero), one)
-        out_mask = mask * keep.to(mask.dtype)
-    metrics = _metrics(ratio, weights, truncated, mask, out_mask)
+        mis_mask = mask * keep.to(mask.dtype)
+    out_mask, rejected_seq = mask, torch.zeros(mask.shape[0], dtype=torch.bool)
+    if rollout_rs:
+        keep_rs, rejected_seq = rejection_mask(
+            old_logp - rollout_logp, mask, rollout_rs, rollout_rs_threshold
+        )
+        out_mask = mask * keep_rs
+    if rollout_is_batch_normalize and mode != "none":
+        weights = weights / _weight_mean(weights, out_mask, level)
+    metrics = _metrics(ratio, weights, truncated, mask, mis_mask)
+    metrics["rollout_corr/rejected_frac"] = (mask - out_mask).sum() / mask.sum().clamp_min(1.0)
+    seqs = (mask.sum(-1) > 0).sum().clamp_min(1)
+    metrics["rollout_corr/rejected_seq_frac"] = rejected_seq.sum().to(mask.dtype) / seqs
     return weights.detach(), out_mask, metrics
+
+
+def _weight_mean(weights: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """verl's batch-normalisation factor: the mean weight over mask tokens, or over sequences at sequence level."""
+    if level == "sequence":
+        has = mask.sum(-1) > 0
+        per_seq = (weights * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
+        mean = per_seq[has].mean() if has.any() else torch.ones((), dtype=weights.dtype)
+    else:
+        mean = (weights * mask).sum() / mask.sum().clamp_min(1.0)
+    return torch.where(mean > 1e-8, mean, torch.ones_like(mean))
 
 
 def _metrics(ratio, weights, truncated, mask, out_mask) -> dict[str, torch.Tensor]:
