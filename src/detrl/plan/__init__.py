@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from detrl.config import ConfigError, TrainConfig
-from detrl.plan.memory import GIB, LAYOUTS, TODAY, Layout, Plan, Shapes, Workload, min_world, plan
+from detrl.plan.memory import GIB, LAYOUTS, TODAY, Layout, Plan, Shapes, Workload, min_world, plan, replace
 
 __all__ = ["GIB", "LAYOUTS", "Layout", "Plan", "PlanError", "Shapes", "Workload", "code_layout", "for_config"]
 
@@ -106,11 +106,12 @@ def for_config(
     cfg: TrainConfig, ctx_len: int, world: int, device: str, budget: float, layout: Layout | None = None
 ) -> tuple[Plan, Shapes, Workload, Layout]:
     s, w, lay = shapes_of(cfg.model), workload_of(cfg, ctx_len, device), layout or code_layout()
+    if w.attention == "recompute" and lay.attn_backward == "flash":
+        w = replace(w, attention="flash")
     return plan(s, w, lay, world, budget), s, w, lay
 
 
 ADVICE = {
-    "activations": "set activation_checkpointing=true or a smaller micro_batch_size",
     "reduce buffers": "use determinism.reduce=all_reduce, or fewer micro-batches per mini-batch "
     "(a larger micro_batch_size or a smaller algo.ppo_mini_batch_size)",
     "KV pool": "lower rollout.max_batch_size",
@@ -121,9 +122,34 @@ ADVICE = {
 }
 
 
-def advice(p: Plan, s: Shapes, w: Workload, lay: Layout) -> str:
+def smaller_activations(p: Plan, s: Shapes, w: Workload, lay: Layout, world: int) -> str:
+    """The first of activation checkpointing, then halved micro-batches, at which the plan fits."""
+    changes, trial = [], w
+    if not w.checkpointing:
+        changes, trial = ["activation_checkpointing=true"], replace(w, checkpointing=True)
+    mb = trial.micro_batch
+    while True:
+        k = -(-w.micro_batches * w.micro_batch // mb)
+        if plan(s, replace(trial, micro_batch=mb, micro_batches=k), lay, world, p.budget).fits:
+            return "set " + " ".join(changes + ([f"micro_batch_size={mb}"] if mb != w.micro_batch else []))
+        if mb == 1:
+            return (
+                "no micro_batch_size fits"
+                + (
+                    ""
+                    if w.attention == "flash"
+                    else " (the attention backward holds [micro_batch, heads, ctx, ctx])"
+                )
+                + "; a shorter context (data.max_prompt_length, rollout.max_new_tokens) or more memory"
+            )
+        mb //= 2
+
+
+def advice(p: Plan, s: Shapes, w: Workload, lay: Layout, world: int = 1) -> str:
     """What to change, for the largest part of the plan's peak phase."""
     name, _ = p.largest
+    if name == "activations":
+        return smaller_activations(p, s, w, lay, world)
     if name in ADVICE:
         return ADVICE[name]
     need = min_world(s, w, lay, p.budget)
@@ -138,7 +164,7 @@ def verdict(p: Plan, s: Shapes, w: Workload, lay: Layout, world: int) -> str:
     name, nbytes = p.largest
     return (
         f"does not fit: {head} (world size {world}, {w.device}); largest part: {name} "
-        f"{nbytes / GIB:.1f} GiB; {advice(p, s, w, lay)} (python -m detrl.plan <overrides> lists every part)"
+        f"{nbytes / GIB:.1f} GiB; {advice(p, s, w, lay, world)} (python -m detrl.plan <overrides> lists every part)"
     )
 
 

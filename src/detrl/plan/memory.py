@@ -91,8 +91,10 @@ class Layout:
       this rank's shards (the preflight then runs on one block);
     sync: the weight sync's full gathers (`full`: the fp32 state dict and the unsharded model at once, `block`);
     ref: the reference model on the `device` (sharded like the policy) or offloaded to `cpu`;
-    kv: the CUDA engine's KV cache (`static`: [bucket, Hkv, ctx_len, D] per layer per bucket used; `paged`: a
-      pool of min(kv_cap_tokens, max_batch_size x ctx_len) tokens).
+    kv: the CUDA engine's KV cache (`static`: [bucket, Hkv, ctx_len, D] per layer per bucket used, kept for the
+      run; `paged`: a pool of min(kv_cap_tokens, rows x ctx_len) tokens, released during the update);
+    attn_backward: under batch-invariant CUDA kernels, `torch` recomputes one layer's [B, H, L, L] fp32
+      probabilities in the backward (today's Triton attention), `flash` holds none.
     """
 
     gather: str = "model"
@@ -103,6 +105,7 @@ class Layout:
     ref: str = "device"
     kv: str = "static"
     kv_cap_tokens: int = 0  # paged: 0 = no cap
+    attn_backward: str = "torch"
 
     def __post_init__(self):
         for name, valid in CHOICES.items():
@@ -120,9 +123,10 @@ CHOICES = {
     "sync": ("full", "block"),
     "ref": ("device", "cpu"),
     "kv": ("static", "paged"),
+    "attn_backward": ("torch", "flash"),
 }
 TODAY = Layout()
-FSDP2 = Layout("block", "compute", "shard", "sharded", "block", "device", "paged")
+FSDP2 = Layout("block", "compute", "shard", "sharded", "block", "device", "paged", attn_backward="flash")
 LAYOUTS = {"today": TODAY, "fsdp2": FSDP2}
 
 
@@ -269,7 +273,9 @@ def scoring(s: Shapes, w: Workload, seqs: int) -> float:
     """A no-grad pass over `seqs` sequences: one block's activations and its attention (scores, mask, probs)
     at a time, the hidden states, and 2 lm_head chunks."""
     tokens = seqs * w.ctx_len
-    scores = attention_scores(s, w, seqs)
+    scores = (
+        attention_scores(s, w, seqs) if w.attention == "materialised" else 0.0
+    )  # the forward: flash-style
     hidden = 2 * tokens * s.hidden * w.compute_bytes
     return tokens * layer_activation(s, w) + 3 * scores + hidden + head_chunks(s, w, seqs, 2)
 
@@ -315,7 +321,8 @@ def preflight(s: Shapes, w: Workload, lay: Layout, world: int, seqs: int = 8) ->
     c = w.compute_bytes
     if lay.construct == "sharded":
         copies = 2 * s.block * c
-        act = seqs * w.ctx_len * layer_activation(s, w) + 3 * attention_scores(s, w, seqs)
+        act = seqs * w.ctx_len * layer_activation(s, w)
+        act += 3 * attention_scores(s, w, seqs) if w.attention == "materialised" else 0.0
         act += head_chunks(s, w, seqs, 2)
         master = _shard(s.params * MASTER, world)
     else:
@@ -331,7 +338,7 @@ def preflight(s: Shapes, w: Workload, lay: Layout, world: int, seqs: int = 8) ->
     }
 
 
-PHASES = ("preflight", "score", "backward", "reduce", "sync")
+PHASES = ("preflight", "rollout", "score", "backward", "reduce", "sync")
 
 
 def phases(s: Shapes, w: Workload, lay: Layout, world: int) -> dict[str, dict[str, float]]:
@@ -343,6 +350,11 @@ def phases(s: Shapes, w: Workload, lay: Layout, world: int) -> dict[str, dict[st
         count = s.params if lay.gather == "model" else 2 * s.block + s.params - s.layers * s.block
         ref_held = count * (MASTER if lay.gather_dtype == "master" else w.compute_bytes)
     out = {"preflight": preflight(s, w, lay, world)} if w.preflight else {}
+    if (
+        lay.kv == "paged" and w.device == "cuda"
+    ):  # the pool exists while the engine generates, not in the update
+        out["rollout"] = {**base, "activations": scoring(s, w, engine_rows(w, world)) / w.ctx_len}
+        base = {**base, "KV pool": 0.0}
     out["score"] = {**base, "compute copies": copies + ref_held, "activations": scoring(s, w, w.micro_batch)}
     for phase, reducing in (("backward", False), ("reduce", True)):
         grads, buffers = gradients(s, w, lay, world, reducing)
