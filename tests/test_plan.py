@@ -188,3 +188,18 @@ def test_train_refuses_what_cannot_fit_in_one_line(tmp_path):
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(err) == 1 and err[0].startswith("detrl: does not fit:") and "largest part:" in err[0]
+
+
+def test_advice_names_a_change_that_fits(tmp_path):
+    import re
+
+    base = ("experiment=dapo_math_qwen3_8b", "rollout.max_batch_size=32", "activation_checkpointing=true")
+    size = ("--layout", "fsdp2", "--world-size", "8", "--device-memory-gib", "141")
+    rc, before = _cli(tmp_path, *base, *size)
+    assert rc == 1 and "largest part: activations" in before["verdict"]
+    mb = re.search(r"set micro_batch_size=(\d+)", before["verdict"])
+    assert mb, before["verdict"]
+    rc, after = _cli(tmp_path, *base, f"micro_batch_size={mb.group(1)}", *size)
+    assert rc == 0 and after["fits"]
+    rc, twice = _cli(tmp_path, *base, f"micro_batch_size={2 * int(mb.group(1))}", *size)
+    assert rc == 1  # the largest micro-batch that fits, not any smaller one
