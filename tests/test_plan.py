@@ -203,3 +203,20 @@ def test_advice_names_a_change_that_fits(tmp_path):
     assert rc == 0 and after["fits"]
     rc, twice = _cli(tmp_path, *base, f"micro_batch_size={2 * int(mb.group(1))}", *size)
     assert rc == 1  # the largest micro-batch that fits, not any smaller one
+
+
+def test_shapes_come_from_the_checkpoints_config(tmp_path):
+    # model.path's config.json wins over the preset (no weights are read)
+    cfg = make_cfg("model=qwen3_8b")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 1024, "num_hidden_layers": 3}))
+    cfg.model.path = str(tmp_path)
+    s = planner.shapes_of(cfg.model)
+    assert (s.hidden, s.layers, s.vocab) == (1024, 3, 151936)
+
+
+def test_cli_bad_world_size_is_one_line(capsys):
+    from detrl.plan.__main__ import main
+
+    assert main(["--world-size", "0", "--device-memory-gib", "141"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "detrl.plan: --world-size=0 is not valid: must be > 0"

@@ -150,6 +150,9 @@ def advice(p: Plan, s: Shapes, w: Workload, lay: Layout, world: int = 1) -> str:
     name, _ = p.largest
     if name == "activations":
         return smaller_activations(p, s, w, lay, world)
+    if name in ("engine weights", "weight sync"):  # nothing shrinks them: a smaller micro-batch may still fit
+        other = smaller_activations(p, s, w, lay, world)
+        return ADVICE[name] + (f", or {other}" if other.startswith("set") else "")
     if name in ADVICE:
         return ADVICE[name]
     need = min_world(s, w, lay, p.budget)

@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", choices=("code", *LAYOUTS), default="code", help="code: the trainer as it is")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_intermixed_args(argv)
-    if args.world_size < 1:
-        ap.error(f"--world-size={args.world_size} is not valid: must be >= 1")
+    for flag, value in (("--world-size", args.world_size), ("--device-memory-gib", args.device_memory_gib)):
+        if value <= 0:
+            print(f"detrl.plan: {flag}={value} is not valid: must be > 0", file=sys.stderr)
+            return 2
     try:
         cfg = compose(args.overrides)
         ctx = context_bound(cfg)
