@@ -363,9 +363,8 @@ def build(cfg: TrainConfig):
     task = build_task(cfg, tokenizer)  # the train split; its eval split is task.eval_task
     r = cfg.rollout
     ctx_len = context_length(task, tokenizer, r.max_new_tokens)
-    plan.require_fits(
-        cfg, ctx_len, distributed.world_size(), det.device
-    )  # before the model: one line if it won't fit
+    # the memory plan, before the model exists: a run that cannot fit is refused in one line
+    plan.require_fits(cfg, ctx_len, distributed.world_size(), det.device)
     model = load_policy(cfg, tokenizer, task, ctx_len).to(det.device)  # float32 master weights
     if model.config.vocab_size < len(tokenizer):
         raise ConfigError(
