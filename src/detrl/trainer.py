@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from detrl import checkpoint, distributed
+from detrl import checkpoint, distributed, plan
 from detrl import determinism as det_mod
 from detrl.algos import (
     POLICY_LOSSES,
@@ -372,6 +372,8 @@ def build(cfg: TrainConfig):
     task = build_task(cfg, tokenizer)  # the train split; its eval split is task.eval_task
     r = cfg.rollout
     ctx_len = context_length(task, tokenizer, r.max_new_tokens)
+    # the memory plan, before the model exists: a run that cannot fit is refused in one line
+    plan.require_fits(cfg, ctx_len, distributed.world_size(), det.device)
     model = load_policy(cfg, tokenizer, task, ctx_len).to(det.device)  # float32 master weights
     if model.config.vocab_size < len(tokenizer):
         raise ConfigError(

@@ -1,0 +1,409 @@
+"""Per-rank memory of a run as pure functions of shapes, dtypes and world size (no tensors are made).
+
+A run passes through four phases, each holding a different set of parts; a rank's need is the largest phase:
+- `preflight`: before step 0 (batch-invariance checks under determinism.kernels=batch_invariant);
+- `score`: the no-grad pass of the policy and the reference (old and reference logprobs);
+- `update`: a micro-batch's forward and backward, then the gradient reduce (the peak of most runs);
+- `sync`: the new weights reach the engine; digests and drift sketches read the full parameters.
+Each part's function says what it assumes next to it. Where the trainer's layout is changing, the choice is a
+field of `Layout` (`TODAY`: the code as it is; `FSDP2`: FSDP2 per block with mixed precision), not a constant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GIB = 2**30
+MASTER = 4  # bytes: fp32 master weights, AdamW state and gradients on every device
+HEAD_CHUNK = 2**24  # logits in one lm_head chunk (models/logprobs.py CHUNK_ELEMENTS, fp32)
+RUNTIME = {"cpu": 0.5 * GIB, "cuda": 1.0 * GIB}  # process baseline: torch + transformers imported (CPU RSS
+# measured 0.50 GiB); CUDA context, cuBLAS workspace and NCCL buffers (assumed)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """A Qwen3 / Qwen3-MoE model's shapes (experts=0: dense)."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool = False
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+
+    @property
+    def qkv(self) -> int:
+        return self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def mlp(self) -> int:
+        if self.experts:  # stacked gate|up and down per expert, plus the router
+            return self.experts * 3 * self.hidden * self.moe_intermediate + self.experts * self.hidden
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def block(self) -> int:
+        """Parameters of one decoder block: q/k/v, o, q/k norms, two RMSNorms, the MLP."""
+        return (
+            self.qkv
+            + self.heads * self.head_dim * self.hidden
+            + 2 * self.head_dim
+            + 2 * self.hidden
+            + self.mlp
+        )
+
+    @property
+    def embed(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.embed * (1 if self.tied else 2) + self.hidden + self.layers * self.block
+
+    @property
+    def fused_copies(self) -> int:
+        """Elements `fuse` copies even without a cast: the concatenated q|k|v and (dense) gate|up of every block."""
+        gate_up = 0 if self.experts else 2 * self.hidden * self.intermediate
+        return self.layers * (self.qkv + gate_up)
+
+    def kv_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of keys and values one token holds across the layers."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the trainer places its state; `TODAY` reads as the code does now.
+
+    gather: what an FSDP2 unshard materialises at once (`model`: every parameter, `block`: one decoder block
+      plus its prefetched neighbour, the root's embedding and head staying gathered);
+    gather_dtype: the gathered parameters' dtype (`master`: fp32, cast afterwards by `fuse`; `compute`:
+      MixedPrecisionPolicy's param_dtype);
+    reduce: the ordered (determinism=on) reducer's buffers (`stash`: every micro-batch's full fp32 gradient kept and
+      all-gathered; `shard`: an fp32 accumulator shard plus one block's gradient and its all-to-all receive);
+    construct: `full` builds the whole fp32 policy and reference on every rank before sharding, `sharded` only
+      this rank's shards (the preflight then runs on one block);
+    sync: the weight sync's full gathers (`full`: the fp32 state dict and the unsharded model at once, `block`);
+    ref: the reference model on the `device` (sharded like the policy) or offloaded to `cpu`;
+    kv: the CUDA engine's KV cache (`static`: [bucket, Hkv, ctx_len, D] per layer per bucket used, kept for the
+      run; `paged`: a pool of min(kv_cap_tokens, rows x ctx_len) tokens, released during the update);
+    attn_backward: under batch-invariant CUDA kernels, `torch` recomputes one layer's [B, H, L, L] fp32
+      probabilities in the backward (today's Triton attention), `flash` holds none.
+    """
+
+    gather: str = "model"
+    gather_dtype: str = "master"
+    reduce: str = "stash"
+    construct: str = "full"
+    sync: str = "full"
+    ref: str = "device"
+    kv: str = "static"
+    kv_cap_tokens: int = 0  # paged: 0 = no cap
+    attn_backward: str = "torch"
+
+    def __post_init__(self):
+        for name, valid in CHOICES.items():
+            if getattr(self, name) not in valid:
+                raise ValueError(
+                    f"layout.{name}={getattr(self, name)!r} is not valid; choose one of {list(valid)}"
+                )
+
+
+CHOICES = {
+    "gather": ("model", "block"),
+    "gather_dtype": ("master", "compute"),
+    "reduce": ("stash", "shard"),
+    "construct": ("full", "sharded"),
+    "sync": ("full", "block"),
+    "ref": ("device", "cpu"),
+    "kv": ("static", "paged"),
+    "attn_backward": ("torch", "flash"),
+}
+TODAY = Layout()
+FSDP2 = Layout("block", "compute", "shard", "sharded", "block", "device", "paged", attn_backward="flash")
+LAYOUTS = {"today": TODAY, "fsdp2": FSDP2}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one rank runs: its device, dtypes and the step's sizes (all per rank unless said)."""
+
+    device: str  # cpu | cuda
+    compute_bytes: int  # 4 (fp32) or 2 (bf16)
+    ctx_len: int  # every trainer sequence is padded to it
+    micro_batch: int  # sequences per backward
+    micro_batches: int  # micro-batches per mini-batch (all ranks together)
+    batch_rows: int  # sequences of the step batch (every rank holds all of them)
+    engine_requests: int  # requests of the largest engine call (rollout or eval), all ranks together
+    engine_batch: int  # rollout.max_batch_size
+    engine_workers: int = 1  # CPU engine: worker processes, each with its own batch's cache
+    reference: bool = True  # algo.use_kl_loss
+    preflight: bool = True  # determinism.kernels=batch_invariant
+    ordered: bool = True  # determinism.reduce=ordered
+    checkpointing: bool = False  # activation_checkpointing
+    attention: str = (
+        "materialised"  # materialised (saves [B, H, T, L]) | recompute (one layer's in the backward) | flash
+    )
+
+
+def _shard(nbytes: float, world: int) -> float:
+    return nbytes / world
+
+
+def resident(s: Shapes, w: Workload, lay: Layout, world: int) -> dict[str, float]:
+    """Parts every phase after the build holds."""
+    p, c = s.params, w.compute_bytes
+    # CPU engine: its own fp32 copy of the policy (update_weights loads into it) + the workers' shared fused
+    # weights (all cloned); CUDA engine: the fused weights in the compute dtype
+    engine = p * MASTER + p * c if w.device == "cpu" else p * c
+    on_device_ref = w.reference and not (lay.ref == "cpu" and w.device == "cuda")
+    return {
+        "runtime": RUNTIME[w.device],
+        "master weights": _shard(p * MASTER, world),  # FSDP2 shards (world 1: the parameters)
+        "optimizer state": _shard(2 * p * MASTER, world),  # AdamW exp_avg + exp_avg_sq, fp32, on the shards
+        "reference model": _shard(p * MASTER, world) if on_device_ref else 0.0,  # a deepcopy of the policy
+        "engine weights": engine,  # a full copy on every rank (each rank's engine serves its share)
+        "KV pool": kv_pool(s, w, lay, world),
+        # input ids (int64) and ~10 [N, L] fp32 tensors: mask, rollout / old / ref logprobs, entropy, advantages...
+        "step batch": w.batch_rows * w.ctx_len * (8 + 10 * 4),
+        # rank 0's drift sketch (fingerprint.param_sketch): on CPU a cached float64 sign matrix and buffer of
+        # P elements each; on CUDA three float64 chunks of 2**24 at a time
+        "drift sketch": 16 * p if w.device == "cpu" else 3 * 2**24 * 8,
+    }
+
+
+def engine_rows(w: Workload, world: int) -> int:
+    """Rows of this rank's largest engine batch: its share of the call (each rank serves requests / W), cut into
+    batches of <= max_batch_size (CPU: spread over the workers, each running one batch at a time)."""
+    share = -(-w.engine_requests // world)
+    if w.device == "cpu":
+        share = -(-share // w.engine_workers)
+    return max(1, min(w.engine_batch, share))
+
+
+def kv_pool(s: Shapes, w: Workload, lay: Layout, world: int) -> float:
+    """The engine's KV cache, rows = `engine_rows`, bytes per token = 2 x layers x Hkv x head_dim x dtype.
+    CPU: each worker's batch cache (its own process). CUDA static: [bucket, Hkv, ctx_len, D] per layer for the
+    bucket (next power of two) of the largest batch, kept for the run (a smaller bucket used later, e.g. the
+    eval's, adds its own); paged: a pool of min(kv_cap_tokens, rows x ctx_len) tokens (what the largest batch
+    needs when every row reaches ctx_len)."""
+    rows, per_token = engine_rows(w, world), s.kv_per_token(w.compute_bytes)
+    if w.device == "cpu":
+        return min(w.engine_workers, -(-w.engine_requests // world)) * rows * w.ctx_len * per_token
+    if lay.kv == "static":
+        return (1 << max(0, (rows - 1).bit_length())) * w.ctx_len * per_token
+    tokens = rows * w.ctx_len
+    return min(tokens, lay.kv_cap_tokens or tokens) * per_token
+
+
+def gathered(s: Shapes, w: Workload, lay: Layout, world: int, fused: bool = True) -> float:
+    """The parameters a forward reads at once, as FSDP2's unshard leaves them, plus (fused) `fuse`'s copies of
+    them, which live until the backward has run."""
+    c = w.compute_bytes
+    if world == 1:  # plain modules: the forward reads the fp32 parameters themselves, `fuse` over all blocks
+        return (s.params if c != MASTER else s.fused_copies) * c * fused
+    if (
+        lay.gather == "block"
+    ):  # one block and its prefetched neighbour; the root (embedding, head) stays gathered
+        count = 2 * s.block + s.params - s.layers * s.block
+        cats = 2 * s.fused_copies / s.layers
+    else:
+        count, cats = s.params, s.fused_copies
+    g = MASTER if lay.gather_dtype == "master" else c
+    return (
+        count * g + (count if c != g else cats) * c * fused
+    )  # a cast copies every parameter, else the concats
+
+
+def layer_activation(s: Shapes, w: Workload) -> float:
+    """Bytes one token saves for the backward in one decoder block (counted from models/forward.py and ops.py):
+    the two RMSNorms (input and output, 3 H each), q|k|v and their norm / rope outputs ((Hq + Hkv) D x 4 + Hkv D),
+    the attention output and its reshape (2 Hq D); dense MLP: gate|up (2 I), the SiLU's intermediates (2 I) and
+    the product (I); MoE: that per routed expert row plus the dispatched rows (2 H per pick) and the router's
+    fp32 logits and probabilities (2 E x 4 B)."""
+    hd = s.head_dim
+    elems = 6 * s.hidden + 4 * (s.heads + s.kv_heads) * hd + s.kv_heads * hd + 2 * s.heads * hd
+    if s.experts:
+        elems += s.top_k * (5 * s.moe_intermediate + 2 * s.hidden)
+        extra = 2 * s.experts * 4
+    else:
+        elems += 5 * s.intermediate
+        extra = 0
+    return elems * w.compute_bytes + extra
+
+
+def attention_scores(s: Shapes, w: Workload, seqs: int) -> float:
+    """One layer's [seqs, Hq, L, L] attention probabilities (materialised or recomputed attention; flash: none)."""
+    if w.attention == "flash":
+        return 0.0
+    nbytes = w.compute_bytes if w.attention == "materialised" else 4
+    return seqs * s.heads * w.ctx_len * w.ctx_len * nbytes
+
+
+def head_chunks(s: Shapes, w: Workload, seqs: int, n: int) -> float:
+    """n lm_head chunks of fp32 logits: <= 2**24 logits each, fewer when the scored rows are fewer."""
+    return n * min(HEAD_CHUNK, seqs * w.ctx_len * s.vocab) * 4
+
+
+def activations(s: Shapes, w: Workload) -> float:
+    """A micro-batch's forward + backward (tokens = micro_batch x ctx_len, sequences padded to ctx_len).
+    Without checkpointing every block's activations (and, materialised, its attention probabilities) are saved,
+    plus one block's worth for the backward's gradients; with it, each block's input and two blocks' worth (the
+    recomputed block and its gradients). Plus the head: the final hidden states and 4 lm_head chunks (logits,
+    log-softmax, their gradient, the entropy's exp)."""
+    tokens = w.micro_batch * w.ctx_len
+    one = tokens * layer_activation(s, w)
+    scores = attention_scores(s, w, w.micro_batch)
+    if w.checkpointing:
+        trunk = s.layers * tokens * s.hidden * w.compute_bytes + 2 * one + 3 * scores
+    elif w.attention == "materialised":
+        trunk = s.layers * (one + scores) + one + 2 * scores
+    else:  # recompute: the backward rebuilds one layer's probabilities (scores, probs, gradient)
+        trunk = (s.layers + 1) * one + 3 * scores
+    return trunk + 2 * tokens * s.hidden * w.compute_bytes + head_chunks(s, w, w.micro_batch, 4)
+
+
+def scoring(s: Shapes, w: Workload, seqs: int) -> float:
+    """A no-grad pass over `seqs` sequences: one block's activations and its attention (scores, mask, probs)
+    at a time, the hidden states, and 2 lm_head chunks."""
+    tokens = seqs * w.ctx_len
+    scores = (
+        attention_scores(s, w, seqs) if w.attention == "materialised" else 0.0
+    )  # the forward: flash-style
+    hidden = 2 * tokens * s.hidden * w.compute_bytes
+    return tokens * layer_activation(s, w) + 3 * scores + hidden + head_chunks(s, w, seqs, 2)
+
+
+def gradients(s: Shapes, w: Workload, lay: Layout, world: int, reducing: bool) -> tuple[float, float]:
+    """(gradients, reduce buffers) during the backward (reducing=False) or at the reduce's peak.
+
+    world 1: autograd accumulates into the fp32 parameters' .grad. Ordered `stash` (today, determinism=on): the
+    unsharded fp32 gradient of the micro-batch in flight and this rank's stashed ones (kmax = ceil(micro_batches /
+    W) of them); the reduce adds the kmax x P buffer it sends, the W x kmax x P it receives (all_gather) and the
+    summed copy, then the sharded gradients (P / W). `shard`: an fp32 accumulator shard plus one block's gradient
+    (or the model's, gather=model) and its all-to-all receive. all_reduce (off): the unsharded gradient and the
+    flat copy the all-reduce runs on."""
+    p = s.params * MASTER
+    if world == 1:
+        return p, 0.0
+    shard = p / world
+    unit = s.block * MASTER if lay.gather == "block" else p  # an unsharded gradient at once
+    if w.ordered and lay.reduce == "stash":
+        kmax = -(-w.micro_batches // world)
+        return (unit, (kmax - 1) * p) if not reducing else (shard, (2 * kmax + world * kmax + 1) * p)
+    if w.ordered:
+        return shard + unit, unit
+    return (unit, 0.0) if not reducing else (unit + shard, unit)
+
+
+def weight_sync(s: Shapes, lay: Layout, world: int) -> float:
+    """Transients of the engine's weight sync, the digests and the drift sketch. world 1: `fuse`'s fp32 concats
+    (the state dict is the parameters). `full`: the gathered fp32 state dict and the unsharded model alive
+    together, plus the concats; `block`: one block gathered in fp32 (and its concats) at a time."""
+    if world == 1:
+        return s.fused_copies * MASTER
+    if lay.sync == "block":
+        return 2 * (s.block + s.fused_copies / s.layers) * MASTER
+    return (2 * s.params + s.fused_copies) * MASTER
+
+
+def preflight(s: Shapes, w: Workload, lay: Layout, world: int, seqs: int = 8) -> dict[str, float]:
+    """Before step 0 (models/preflight.py): `full` construction holds the whole fp32 policy and reference on every
+    rank, fuses them (a cast copies all) and runs the forward over [8, ctx_len] with full logits (in the compute
+    dtype, their fp32 copy, the scaled copy, the log-softmax); `sharded`: the rank's shards and one block's check
+    (its weights, its activations, the head in chunks)."""
+    c = w.compute_bytes
+    if lay.construct == "sharded":
+        copies = 2 * s.block * c
+        act = seqs * w.ctx_len * layer_activation(s, w)
+        act += 3 * attention_scores(s, w, seqs) if w.attention == "materialised" else 0.0
+        act += head_chunks(s, w, seqs, 2)
+        master = _shard(s.params * MASTER, world)
+    else:
+        copies = (s.params if c != MASTER else s.fused_copies) * c
+        act = scoring(s, w, seqs) + seqs * w.ctx_len * s.vocab * (c + (8 if c == MASTER else 12))
+        master = s.params * MASTER
+    return {
+        "runtime": RUNTIME[w.device],
+        "master weights": master,
+        "reference model": master if w.reference else 0.0,
+        "compute copies": copies,
+        "activations": act,
+    }
+
+
+PHASES = ("preflight", "rollout", "score", "backward", "reduce", "sync")
+
+
+def phases(s: Shapes, w: Workload, lay: Layout, world: int) -> dict[str, dict[str, float]]:
+    """Every phase's parts (bytes per rank)."""
+    base = resident(s, w, lay, world)
+    copies = gathered(s, w, lay, world)
+    ref_held = 0.0  # scoring gathers the reference alongside the policy (both unsharded at once)
+    if w.reference and world > 1 and not (lay.ref == "cpu" and w.device == "cuda"):
+        count = s.params if lay.gather == "model" else 2 * s.block + s.params - s.layers * s.block
+        ref_held = count * (MASTER if lay.gather_dtype == "master" else w.compute_bytes)
+    out = {"preflight": preflight(s, w, lay, world)} if w.preflight else {}
+    if (
+        lay.kv == "paged" and w.device == "cuda"
+    ):  # the pool exists while the engine generates, not in the update
+        out["rollout"] = {**base, "activations": scoring(s, w, engine_rows(w, world)) / w.ctx_len}
+        base = {**base, "KV pool": 0.0}
+    out["score"] = {**base, "compute copies": copies + ref_held, "activations": scoring(s, w, w.micro_batch)}
+    for phase, reducing in (("backward", False), ("reduce", True)):
+        grads, buffers = gradients(s, w, lay, world, reducing)
+        held = gathered(s, w, lay, world, fused=not reducing)  # the reduce: the backward freed fuse's copies
+        out[phase] = {**base, "compute copies": held, "gradients": grads, "reduce buffers": buffers}
+        out[phase]["activations"] = 0.0 if reducing else activations(s, w)
+    out["sync"] = {**base, "gradients": 0.0, "weight sync": weight_sync(s, lay, world)}
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    phases: dict[str, dict[str, float]]  # bytes
+    budget: float  # bytes per rank
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda k: sum(self.phases[k].values()))
+
+    @property
+    def parts(self) -> dict[str, float]:
+        return self.phases[self.peak_phase]
+
+    @property
+    def per_rank(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.per_rank <= self.budget
+
+    @property
+    def largest(self) -> tuple[str, float]:
+        return max(self.parts.items(), key=lambda kv: kv[1])
+
+
+def plan(s: Shapes, w: Workload, lay: Layout, world: int, budget: float) -> Plan:
+    if world < 1:
+        raise ValueError(f"world size {world} is not valid: must be >= 1")
+    return Plan(phases(s, w, lay, world), budget)
+
+
+def min_world(s: Shapes, w: Workload, lay: Layout, budget: float, limit: int = 256) -> int | None:
+    """The smallest world size (same per-rank workload) at which the plan fits, or None up to `limit`."""
+    for world in range(1, limit + 1):
+        if plan(s, w, lay, world, budget).fits:
+            return world
+    return None
+
+
+def replace(w: Workload, **changes) -> Workload:
+    return dataclasses.replace(w, **changes)
