@@ -64,9 +64,11 @@ class Tracker:
                 self.wandb_run = wandb.init(**init, **where)
             except wandb.errors.UsageError as e:  # e.g. online without credentials: one line, what to do
                 self._file.close()
+                why = str(e).splitlines()[0].rstrip(".")
+                login = "" if "wandb login" in why else "; run `wandb login`"
                 raise ConfigError(
-                    f"logger.mode={mode}: {str(e).splitlines()[0]} Run `wandb login` (or set WANDB_API_KEY), "
-                    "or log offline: logger.mode=offline or WANDB_MODE=offline"
+                    f"logger.mode={mode}: {why}{login} (or set WANDB_API_KEY), or log offline: "
+                    "logger.mode=offline or WANDB_MODE=offline"
                 ) from None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
