@@ -167,7 +167,7 @@ def test_retries_then_names_the_server(servers):
 
 def test_launching_without_sglang_says_how_to_install(monkeypatch):
     from detrl.config import ConfigError
-    from detrl.rollout.sglang_launch import sglang_version
+    from detrl.rollout.sglang.launch import sglang_version
 
     monkeypatch.setitem(sys.modules, "sglang", None)  # as on a machine without it
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[sglang\]'.*rollout\.sglang\.urls"):
@@ -308,7 +308,7 @@ def test_tied_embeddings_are_written_under_the_name_sglang_loads():
     from detrl.config import ModelConfig
     from detrl.models.build import build_model
     from detrl.rollout.sglang import save_weights
-    from detrl.serve import load_weights_from_disk
+    from detrl.rollout.sglang.weights import load_weights_from_disk
 
     src = build_model(ModelConfig(name="qwen3", tie_word_embeddings=True), seed=1)
     dst = build_model(ModelConfig(name="qwen3", tie_word_embeddings=True), seed=2)
@@ -375,18 +375,21 @@ class _SlowEngine:
         import threading
         from types import SimpleNamespace
 
-        self.params, self._abort = SamplingParams(), threading.Event()
-        self.model = SimpleNamespace(config=SimpleNamespace(eos_token_id=2))
+        self.cut = threading.Event()
+        self.model = SimpleNamespace(config=SimpleNamespace(eos_token_id=2, vocab_size=64))
         self.calls: list[list[Request]] = []
 
-    def generate(self, reqs):
+    def abort(self):
+        self.cut.set()
+
+    def generate(self, reqs, params):
         from detrl.rollout.base import Result
 
-        self._abort.clear()
+        self.cut.clear()
         self.calls.append(reqs)
         toks = [[] for _ in reqs]
         for _ in range(max(r.max_new_tokens for r in reqs)):
-            if self._abort.is_set():
+            if self.cut.is_set():
                 break
             time.sleep(0.02)
             for r, t in zip(reqs, toks):
@@ -415,10 +418,10 @@ def _wait(cond, timeout=10.0):
 
 
 def test_abort_request_aborts_its_rid_only_and_pause_modes_behave_as_sglangs():
-    from detrl.serve import Server
+    from detrl.rollout.sglang.server import Server
 
     eng = _SlowEngine()
-    server = Server(eng, "<fake>", True, 0, 64)
+    server = Server(eng, eng.model, "<fake>", True, 0, 64)
     body = {"input_ids": [[1], [1]], "rid": ["a1", "b1"], "sampling_params": {"max_new_tokens": 20}}
     th, out = _server_thread(server, body)
     _wait(lambda: server.running_call)
