@@ -219,6 +219,25 @@ def test_http_equals_a_direct_engine_call_bitwise_with_each_items_own_max_new_to
     )  # not the first's cap
 
 
+def test_temperature_zero_is_greedy_over_http(servers):
+    """SGLang's SamplingParams turns temperature 0 into top_k 1: every seed gives the argmax continuation, here
+    checked against the model's own forward (transformers, no cache), token by token."""
+    body = {
+        "input_ids": [[1, 5, 11]] * 3,
+        "sampling_params": [
+            {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True, "sampling_seed": s} for s in (1, 2, 3)
+        ],
+    }
+    resp = _post(servers[0], "/generate", body)
+    assert resp.status_code == 200, resp.text
+    outs = [o["output_ids"] for o in resp.json()]
+    model, ids = _fresh_model().eval(), [1, 5, 11]
+    with torch.no_grad():
+        for _ in range(5):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert outs == [ids[3:]] * 3
+
+
 def test_a_deterministic_server_gives_unseeded_requests_seed_42(servers):
     """sampling_batch_info.py from_schedule_batch: every unseeded request of a deterministic server samples
     with seed 42, so n unseeded samples of one prompt are identical."""

@@ -142,7 +142,7 @@ def test_temperature_zero_is_greedy(model):
     assert [(p.temperature, p.top_p) for _, p in engine.calls] == [(1.0, GREEDY_TOP_P)] * 2
     from detrl.rollout.sampling import sample
 
-    logp = torch.log_softmax(torch.randn(64, VOCAB, dtype=torch.float64), -1)
+    logp = torch.log_softmax(torch.randn(64, VOCAB), -1)  # float32, as the engine's log_probs
     logp[0, :2] = logp[0].max()  # a tie: argmax takes the first
     noise = -torch.log(-torch.log(torch.rand(64, VOCAB, dtype=torch.float64)))
     assert torch.equal(sample(logp, noise, GREEDY_TOP_P), logp.argmax(-1))
@@ -238,3 +238,11 @@ def test_an_unreachable_server_is_named_on_stderr_while_waiting(monkeypatch, cap
         SGLangEngine([url], SamplingParams(), True, health_timeout_s=2.0)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("detrl: waiting")]
     assert len(lines) >= 2 and all(url in line and "health_timeout_s" in line for line in lines)
+
+
+def test_the_stand_in_binds_to_loopback_unless_told_otherwise():
+    from detrl.rollout.sglang.app import _parser
+
+    args = _parser().parse_args([])
+    assert args.host == "127.0.0.1" and args.weights_root == tempfile.gettempdir()
+    assert (args.max_request_items, args.max_body_bytes) == (1024, 8 << 20)

@@ -117,6 +117,13 @@ def make_app(server: Server):
             )
         return Response(content="Flush cache failed.\n", status_code=400)
 
+    _control_routes(app, server)
+    return app
+
+
+def _control_routes(app: FastAPI, server: Server) -> None:
+    """Aborts, pause / continue, info and health: SGLang's shapes (entrypoints/http_server.py)."""
+
     @app.post("/abort_request")
     def abort_request(body: dict[str, Any]):
         rid = body.get("rid") or ""  # io_struct.py AbortReq: rid None -> ""
@@ -153,8 +160,6 @@ def make_app(server: Server):
     def health_generate():
         server.health()
         return Response(status_code=200)
-
-    return app
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -27,7 +27,7 @@ log = logging.getLogger("detrl.serve")
 SGLANG_VERSION = "0.5.23"  # the protocol this file follows
 DEFAULT_SAMPLING_SEED = 42  # sampling/sampling_batch_info.py SamplingBatchInfo.from_schedule_batch
 PAUSE_MODES = ("abort", "retract", "in_place")  # managers/io_struct.py PauseGenerationReqInput.mode
-GREEDY_TOP_P = 5e-324  # a nucleus of one token: the engine's top-p then keeps only the argmax (top_k=1)
+GREEDY_TOP_P = 1e-30  # a nucleus of one token (top_k=1): the engine keeps the argmax; > 0 in float32
 _INTERRUPT_POLL_S = 0.02
 
 
