@@ -1,8 +1,8 @@
 """Launch SGLang servers for `rollout=sglang`, with every argument checked by the installed SGLang first.
 
 The launch arguments are parsed and resolved with SGLang's own `ServerArgs` before any process starts: an
-argument the installed version lacks fails at once with one line naming it and the SGLang version (the
-seed PR's review asked for exactly this about `--rl-on-policy-target`).
+argument the installed version lacks, or a combination its resolution refuses, fails at once in one line naming
+it and the SGLang version.
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ def check_server_args(argv: list[str]):
     resolution that cannot import one of SGLang's runtime dependencies (SGLang installed --no-deps) names it."""
     sa = parse_server_args(argv)
     version = sglang_version()
+    environ = dict(os.environ)  # resolution handlers may set variables: they are the server's, not ours
     try:
         sa.resolve_once()
     except ImportError as e:
@@ -119,6 +120,9 @@ def check_server_args(argv: list[str]):
         ) from e
     except Exception as e:  # noqa: BLE001 - SGLang's own resolution, reported in one line
         raise ConfigError(f"SGLang {version} refuses the launch arguments: {str(e).splitlines()[0]}") from e
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
     return sa
 
 
