@@ -295,3 +295,17 @@ def test_check_server_args_runs_sglangs_resolution_step():
         assert f"its dependency {missing.name} is not installed" in msg
     else:
         assert "attention backends are supported for deterministic inference" in msg and "torch_native" in msg
+
+
+def test_the_resolution_leaves_the_trainers_environment_as_it_was(monkeypatch):
+    """SGLang's resolution handlers may set environment variables for the server; the check restores ours."""
+    from sglang.srt.server_args import ServerArgs
+
+    def resolve(self):
+        os.environ["DETRL_SET_BY_RESOLUTION"] = "1"
+        raise ValueError("refused\nsecond line")
+
+    monkeypatch.setattr(ServerArgs, "resolve_once", resolve)
+    with pytest.raises(ConfigError, match="refuses the launch arguments: refused$"):
+        check_server_args(server_argv("/m", 30016, 0, True, "triton"))
+    assert "DETRL_SET_BY_RESOLUTION" not in os.environ
