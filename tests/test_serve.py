@@ -167,7 +167,7 @@ def test_retries_then_names_the_server(servers):
 
 def test_launching_without_sglang_says_how_to_install(monkeypatch):
     from detrl.config import ConfigError
-    from detrl.rollout.sglang_launch import sglang_version
+    from detrl.rollout.sglang.launch import sglang_version
 
     monkeypatch.setitem(sys.modules, "sglang", None)  # as on a machine without it
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[sglang\]'.*rollout\.sglang\.urls"):
@@ -217,6 +217,25 @@ def test_http_equals_a_direct_engine_call_bitwise_with_each_items_own_max_new_to
     assert (
         len(out[0]["output_ids"]) == 1 and max(len(o["output_ids"]) for o in out) > 1
     )  # not the first's cap
+
+
+def test_temperature_zero_is_greedy_over_http(servers):
+    """SGLang's SamplingParams turns temperature 0 into top_k 1: every seed gives the argmax continuation, here
+    checked against the model's own forward (transformers, no cache), token by token."""
+    body = {
+        "input_ids": [[1, 5, 11]] * 3,
+        "sampling_params": [
+            {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True, "sampling_seed": s} for s in (1, 2, 3)
+        ],
+    }
+    resp = _post(servers[0], "/generate", body)
+    assert resp.status_code == 200, resp.text
+    outs = [o["output_ids"] for o in resp.json()]
+    model, ids = _fresh_model().eval(), [1, 5, 11]
+    with torch.no_grad():
+        for _ in range(5):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert outs == [ids[3:]] * 3
 
 
 def test_a_deterministic_server_gives_unseeded_requests_seed_42(servers):
@@ -308,7 +327,7 @@ def test_tied_embeddings_are_written_under_the_name_sglang_loads():
     from detrl.config import ModelConfig
     from detrl.models.build import build_model
     from detrl.rollout.sglang import save_weights
-    from detrl.serve import load_weights_from_disk
+    from detrl.rollout.sglang.weights import load_weights_from_disk
 
     src = build_model(ModelConfig(name="qwen3", tie_word_embeddings=True), seed=1)
     dst = build_model(ModelConfig(name="qwen3", tie_word_embeddings=True), seed=2)
@@ -375,18 +394,21 @@ class _SlowEngine:
         import threading
         from types import SimpleNamespace
 
-        self.params, self._abort = SamplingParams(), threading.Event()
-        self.model = SimpleNamespace(config=SimpleNamespace(eos_token_id=2))
+        self.cut = threading.Event()
+        self.model = SimpleNamespace(config=SimpleNamespace(eos_token_id=2, vocab_size=64))
         self.calls: list[list[Request]] = []
 
-    def generate(self, reqs):
+    def abort(self):
+        self.cut.set()
+
+    def generate(self, reqs, params):
         from detrl.rollout.base import Result
 
-        self._abort.clear()
+        self.cut.clear()
         self.calls.append(reqs)
         toks = [[] for _ in reqs]
         for _ in range(max(r.max_new_tokens for r in reqs)):
-            if self._abort.is_set():
+            if self.cut.is_set():
                 break
             time.sleep(0.02)
             for r, t in zip(reqs, toks):
@@ -415,10 +437,10 @@ def _wait(cond, timeout=10.0):
 
 
 def test_abort_request_aborts_its_rid_only_and_pause_modes_behave_as_sglangs():
-    from detrl.serve import Server
+    from detrl.rollout.sglang.server import Server
 
     eng = _SlowEngine()
-    server = Server(eng, "<fake>", True, 0, 64)
+    server = Server(eng, eng.model, "<fake>", True, 0, 64)
     body = {"input_ids": [[1], [1]], "rid": ["a1", "b1"], "sampling_params": {"max_new_tokens": 20}}
     th, out = _server_thread(server, body)
     _wait(lambda: server.running_call)

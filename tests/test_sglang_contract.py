@@ -8,7 +8,7 @@ import torch
 from detrl.config import ConfigError
 from detrl.rollout.base import Request, SamplingParams
 from detrl.rollout.sglang import SGLangEngine
-from detrl.rollout.sglang_launch import check_server_args, server_argv, sglang_dtype
+from detrl.rollout.sglang.launch import check_server_args, parse_server_args, server_argv, sglang_dtype
 
 if os.environ.get("DETRL_REQUIRE_SGLANG"):  # `make test` (and so CI) installs SGLang's classes: they must run
     import sglang
@@ -26,7 +26,7 @@ def test_our_launch_arguments_parse_and_resolve_with_sglang(deterministic):
         attention_backend="triton",
         rl_on_policy_target=deterministic,
     )
-    sa = check_server_args(argv)
+    sa = parse_server_args(argv)
     assert sa.model_path == "/models/tiny" and sa.port == 30010 and sa.random_seed == 7
     assert bool(sa.enable_deterministic_inference) == deterministic
     if deterministic:
@@ -37,7 +37,7 @@ def test_our_launch_arguments_parse_and_resolve_with_sglang(deterministic):
 def test_the_dtype_we_pass_parses_and_serves_the_policys_dtype(dtype):
     """SGLang's default --dtype auto serves a float32 checkpoint as float16: we pass the policy's dtype."""
     argv = server_argv("/models/tiny", 30013, 0, True, "triton", dtype=sglang_dtype(dtype))
-    sa = check_server_args(argv)
+    sa = parse_server_args(argv)
     assert sa.dtype == str(dtype).removeprefix("torch.")
     info = sa.resolved_dict()  # what /server_info reports (utils/common.py build_server_info)
     assert info["dtype"] == sa.dtype and info["enable_deterministic_inference"] is True
@@ -52,9 +52,10 @@ def test_detrl_serve_reports_only_server_args_fields_and_sglangs_routes():
     from pathlib import Path
     from types import SimpleNamespace
 
-    from detrl.serve import Server, make_app
+    from detrl.rollout.sglang.app import make_app
+    from detrl.rollout.sglang.server import Server
 
-    sa = check_server_args(server_argv("/m", 30014, 0, True, "triton"))
+    sa = parse_server_args(server_argv("/m", 30014, 0, True, "triton"))
     known = set(sa.resolved_dict()) | {
         "launch_command",
         "startup_time",
@@ -62,7 +63,8 @@ def test_detrl_serve_reports_only_server_args_fields_and_sglangs_routes():
         "version",
         "frontend",
     }
-    server = Server(SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace())), "/m", True, 0, 16)
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=64))
+    server = Server(SimpleNamespace(), model, "/m", True, 0, 16)
     assert set(server.server_info()) <= known
 
     src = (Path(sglang.__file__).parent / "srt/entrypoints/http_server.py").read_text()
@@ -132,3 +134,178 @@ def test_the_makefile_installs_every_module_sglang_imports():
     assert distributions() <= named, (
         f"add to SGLANG_IMPORTS in the Makefile: {sorted(distributions() - named)}"
     )
+
+
+# ---------------------------------------------------------------- detrl.serve's checks against SGLang's own
+
+HOSTILE_BODIES = [
+    {"input_ids": 5},
+    {"input_ids": [["a"]]},
+    {"input_ids": [[1, 2]], "rid": 123},
+    {"input_ids": [[1, 2]], "rid": ["a", 5]},
+    {"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}},
+    {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": "x"}},
+    {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [1, "a"]}},
+    {"input_ids": [1.5]},
+    {"input_ids": [True]},
+    {"input_ids": [], "rid": "r"},
+    {"input_ids": [-5]},
+    {"input_ids": [1], "sampling_params": {"n": "2"}},
+    {"input_ids": [1], "sampling_params": {"max_new_tokens": 1.5}},
+    {"input_ids": [1], "sampling_params": {"sampling_seed": "x"}},
+    {"input_ids": [1], "sampling_params": {"bogus": 1}},
+    {"input_ids": [1], "sampling_params": [{"n": 2}, 3]},
+    {"input_ids": [1], "sampling_params": 5},
+    {"input_ids": [1], "sampling_params": {"logit_bias": {"3": "x"}}},
+    {"input_ids": [1], "sampling_params": {"temperature": None, "top_p": None}},
+    {"input_ids": [1], "return_logprob": "yes"},
+    {"input_ids": [1], "return_logprob": [True, 1]},
+    {"input_ids": [1], "stream": 1},
+    {"input_ids": [1], "priority": 1.0},
+    {"input_ids": [1], "return_prompt_token_ids": None},
+    {"input_ids": [1], "unknown_top_level": object()},
+    [1, 2],
+    "x",
+    None,
+    {"text": 7},
+    {},
+]
+
+
+@pytest.mark.parametrize("body", HOSTILE_BODIES, ids=range(len(HOSTILE_BODIES)))
+def test_the_contract_gate_answers_as_sglangs(body):
+    """entrypoints/api_contract.py generate_contract_error is SGLang's 400 {"error": str}: ours gives its text."""
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+
+    from detrl.rollout.sglang.contract import contract_error
+
+    assert contract_error(body) == generate_contract_error(body)
+
+
+SAMPLING = [
+    {},
+    {"temperature": 0},
+    {"temperature": 1e-7, "top_p": 0.5},
+    {"temperature": -1},
+    {"temperature": float("inf")},
+    {"temperature": float("nan")},
+    {"top_p": 5},
+    {"top_p": 0},
+    {"top_p": 1.0000001},
+    {"top_k": 0},
+    {"top_k": -1},
+    {"top_k": 1},
+    {"min_p": 2},
+    {"frequency_penalty": 3},
+    {"presence_penalty": -2.5},
+    {"repetition_penalty": 0},
+    {"min_new_tokens": -1},
+    {"min_new_tokens": 3},
+    {"max_new_tokens": -1},
+    {"max_new_tokens": None},
+    {"max_new_tokens": 0, "stop_token_ids": [2, 2, None]},
+    {"logit_bias": {"64": 1.0}},
+    {"sampling_seed": 2**63},
+    {"sampling_seed": -(2**63)},
+    {"beam_width": 0},
+    {"regex": "a", "ebnf": "b"},
+    {"regex": "", "ebnf": "b"},
+    {"stop": "x"},
+    {"stop": ["a"] * 33},
+    {"stop_regex": "a+"},
+    {"temperature": None, "n": None, "ignore_eos": None},
+]
+
+
+@pytest.mark.parametrize("sp", SAMPLING, ids=range(len(SAMPLING)))
+def test_sampling_checks_give_sglangs_messages_and_values(sp):
+    """sampling_params.py SamplingParams(**sp).normalize(None).verify(vocab): the same refusal, word for word, or
+    the same resolved temperature / top_p / top_k / max_new_tokens / stop ids (then ours may still refuse a knob
+    the engine lacks, in one line naming it)."""
+    from sglang.srt.sampling.sampling_params import SamplingParams as Theirs
+
+    from detrl.rollout.sglang.requests import sampling
+
+    try:
+        theirs = Theirs(**sp)
+        theirs.normalize(None)
+        theirs.verify(64)
+        want = None
+    except ValueError as e:
+        want = str(e)
+    try:
+        ours, got = sampling(sp, 64), None
+    except ValueError as e:
+        ours, got = None, str(e)
+    if want is not None or got is None or not got.startswith("detrl.serve does not implement"):
+        assert got == want
+    if want is None and ours is not None:
+        fields = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "n")
+        assert {k: ours[k] for k in fields} == {k: getattr(theirs, k) for k in fields}
+
+
+def test_generate_body_declares_sglangs_annotations_and_validator():
+    """FastAPI's 422s come from GenerateReqInput's annotations (managers/io_struct.py): GenerateBody declares the
+    fields detrl.serve reads with the same text, and the same input_ids validator."""
+    import ast
+    import dataclasses
+    import inspect
+    from pathlib import Path
+
+    from sglang.srt.utils.field_validators import validate_optional_list_i64_1d_2d as theirs
+
+    from detrl.rollout.sglang import contract
+
+    def annotations(tree, name):
+        cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+        return {n.target.id: ast.unparse(n.annotation) for n in cls.body if isinstance(n, ast.AnnAssign)}
+
+    io_struct = Path(sglang.__file__).parent / "srt/managers/io_struct.py"
+    sglang_fields = annotations(ast.parse(io_struct.read_text()), "GenerateReqInput")
+    ours = annotations(ast.parse(inspect.getsource(contract)), "GenerateBody")
+    assert set(ours) == {f.name for f in dataclasses.fields(contract.GenerateBody)}
+    for name, text in ours.items():
+        assert sglang_fields[name] == text, name
+    for v in [None, [], [1, 2], [[1], []], 5, ["a"], [[1], ["a"]], [[1], 2], [2**64], [1.5], [True], "x"]:
+        results = []
+        for f in (theirs, contract.validate_optional_list_i64_1d_2d):
+            try:
+                results.append(("ok", f(v)))
+            except ValueError as e:
+                results.append(("error", str(e)))
+        assert results[0] == results[1], v
+
+
+def test_check_server_args_runs_sglangs_resolution_step():
+    """--attention-backend torch_native parses, but SGLang's resolution (ServerArgs.resolve_once ->
+    arg_groups/overrides.py _deterministic_attention_backend) refuses it with deterministic inference: the
+    check runs that step. With SGLang installed --no-deps (CI) the step cannot import its dependencies, and the
+    check says which one in one line instead of passing the arguments unresolved."""
+    argv = server_argv("/m", 30015, 0, True, "torch_native")
+    assert parse_server_args(argv).attention_backend == "torch_native"
+    with pytest.raises(ConfigError) as e:
+        check_server_args(argv)
+    msg = str(e.value)
+    assert "\n" not in msg and sglang.__version__ in msg
+    import importlib
+
+    try:
+        importlib.import_module("sglang.srt.arg_groups.pipeline")  # SGLang with its dependencies
+    except ImportError as missing:
+        assert f"its dependency {missing.name} is not installed" in msg
+    else:
+        assert "attention backends are supported for deterministic inference" in msg and "torch_native" in msg
+
+
+def test_the_resolution_leaves_the_trainers_environment_as_it_was(monkeypatch):
+    """SGLang's resolution handlers may set environment variables for the server; the check restores ours."""
+    from sglang.srt.server_args import ServerArgs
+
+    def resolve(self):
+        os.environ["DETRL_SET_BY_RESOLUTION"] = "1"
+        raise ValueError("refused\nsecond line")
+
+    monkeypatch.setattr(ServerArgs, "resolve_once", resolve)
+    with pytest.raises(ConfigError, match="refuses the launch arguments: refused$"):
+        check_server_args(server_argv("/m", 30016, 0, True, "triton"))
+    assert "DETRL_SET_BY_RESOLUTION" not in os.environ

@@ -227,7 +227,7 @@ class SGLangConfig:
     rl_on_policy_target: bool = (
         False  # adds --rl-on-policy-target fsdp (checked against the installed SGLang)
     )
-    health_timeout_s: float = 600.0
+    health_timeout_s: float = 120.0  # attached or launched servers; progress printed every 30 s
     timeout_s: float = 120.0
     retries: int = 3
 

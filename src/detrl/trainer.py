@@ -392,7 +392,7 @@ def make_engine(
     r = cfg.rollout
     if r.backend == "sglang":
         from detrl.rollout.sglang import SGLangEngine
-        from detrl.rollout.sglang_launch import launch, server_argv, sglang_dtype, sglang_version
+        from detrl.rollout.sglang.launch import launch, server_argv, sglang_dtype, sglang_version
 
         s, urls, procs = r.sglang, list(r.sglang.urls), []
         dtype = det.dtype  # served in the trainer's compute dtype (bf16 on GPUs), not its fp32 masters'

@@ -291,6 +291,10 @@ class EmbeddedEngine:
         self.model.load_state_dict(state_dict)
         self.weights.copy_(fuse(self.model, self.ops.dtype))
 
+    def abort(self) -> None:
+        """Cut the call in flight: running batches stop at their next token, queued ones do not run."""
+        self._abort.set()
+
     def run_batch(self, requests: list[Request]) -> list[Result]:
         """One engine batch in this process (what a worker runs), in request order."""
         self.sampler.params = self.params
@@ -330,7 +334,9 @@ class EmbeddedEngine:
             self._procs.append(p)
         self._finalizer = weakref.finalize(self, _shutdown, list(self._procs), self._tasks, self._inbox)
 
-    def generate(self, requests: list[Request], stop_when=None) -> list[Result]:
+    def generate(
+        self, requests: list[Request], params: SamplingParams | None = None, stop_when=None
+    ) -> list[Result]:
         """All requests through the workers. Fixed routing: results in request order; else completion order.
 
         `stop_when(results_so_far) -> bool` (dynamic routing only) is checked as batches complete; once
@@ -343,10 +349,11 @@ class EmbeddedEngine:
             return []
         if self.fixed_routing and stop_when is not None:
             raise ValueError("stop_when needs dynamic routing; with fixed routing cut by token budget")
-        _check_fits(requests, self.params, self.ctx_len)
+        params = params or self.params  # this call's sampling (None: the engine's)
+        _check_fits(requests, params, self.ctx_len)
         self._start()
         self._call += 1
-        head = (self._call, int(torch.randint(0, 2**62, (1,), generator=self.generator)), self.params)
+        head = (self._call, int(torch.randint(0, 2**62, (1,), generator=self.generator)), params)
         indexed = list(enumerate(requests))
         if self.fixed_routing:
             batches = _fixed_batches(indexed, self.num_workers, self.max_batch_size)

@@ -21,8 +21,8 @@ Checked against SGLang 0.5.23 (paths relative to `sglang/srt/`):
 
 from __future__ import annotations
 
-import os
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import httpx
 import torch
-from safetensors.torch import save_file
 
 from detrl.rollout.base import Request, Result, SamplingParams
+from detrl.rollout.sglang.weights import save_weights
 
 # ServerArgs --dtype values (arg_groups/fields/model.py) -> torch dtype; "auto" serves float32 checkpoints as float16
 # (configs/model_config.py `_get_and_verify_dtype`)
@@ -45,6 +45,9 @@ _DTYPES = {
     "float": torch.float32,
     "float32": torch.float32,
 }
+
+
+HEALTH_PROGRESS_S = 30.0  # a server not yet healthy is named on stderr this often
 
 
 class ServerError(RuntimeError):
@@ -68,27 +71,32 @@ def _message(resp: httpx.Response) -> str:
     return _one_line(j)
 
 
-def save_weights(state_dict: dict[str, torch.Tensor], directory: Path) -> Path:
-    """Write `state_dict` as `directory/model.safetensors`, the way SGLang's loader reads it.
+def _json(resp: httpx.Response, url: str, path: str) -> object:
+    try:
+        return resp.json()
+    except ValueError:
+        raise ServerError(
+            f"rollout server {url}{path} answered HTTP {resp.status_code} with a body that is not JSON: "
+            f"{_one_line(resp.text, 120)!r}"
+        ) from None
 
-    Tied tensors (Qwen3-0.6B..4B: lm_head.weight is model.embed_tokens.weight) are written once, under the
-    first name in state_dict order, as transformers' save_pretrained does (it drops `_tied_weights_keys`):
-    safetensors refuses shared storage, and its save_model would keep the alphabetically first name,
-    lm_head.weight, which SGLang's tied Qwen3 skips (models/qwen3.py `load_weights`: no such parameter), leaving
-    the embeddings stale. Written to a side file and renamed, so a reader never sees half a file.
-    """
-    seen: set[tuple] = set()
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state_dict.items():
-        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-        if t.numel() and key in seen:
-            continue  # an alias of an earlier name
-        seen.add(key)
-        out[name] = t.detach().to("cpu").contiguous()
-    tmp = directory / "model.safetensors.partial"  # not *.safetensors: the loader globs those
-    save_file(out, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, directory / "model.safetensors")
-    return directory / "model.safetensors"
+
+def _fields(item: object) -> tuple:
+    """(finish kind, finish_reason, tokens, logprobs, rid) of one /generate item, or ServerError naming what is
+    missing (SGLang's item: output_ids, meta_info {id, finish_reason, output_token_logprobs [[lp, id, text]]})."""
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    triples = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
+    if not isinstance(triples, list) or not all(isinstance(t, list) and len(t) == 3 for t in triples):
+        raise ServerError(
+            f"rollout server answered an item without meta_info.output_token_logprobs: {_one_line(item, 120)}"
+        )
+    fr, rid = meta.get("finish_reason"), meta.get("id")
+    toks, lps = [t for _, t, _ in triples], [lp for lp, _, _ in triples]
+    if toks != item.get("output_ids"):
+        raise ServerError(
+            f"rollout server answered rid {rid} with output_ids that its output_token_logprobs do not list"
+        )
+    return (fr.get("type") if isinstance(fr, dict) else fr), fr, toks, lps, rid
 
 
 class SGLangEngine:
@@ -101,7 +109,7 @@ class SGLangEngine:
         timeout_s: float = 120.0,
         retries: int = 3,
         backoff_s: float = 0.5,
-        health_timeout_s: float = 60.0,
+        health_timeout_s: float = 120.0,
         procs: list | None = None,
         deterministic: bool | None = None,
         dtype: torch.dtype | None = None,
@@ -132,7 +140,9 @@ class SGLangEngine:
             raise
 
     def _wait_healthy(self, url: str, timeout_s: float) -> None:
-        deadline = time.time() + timeout_s
+        """Poll /health_generate; every HEALTH_PROGRESS_S say on stderr which server is awaited."""
+        start = time.time()
+        deadline, report = start + timeout_s, start + HEALTH_PROGRESS_S
         while time.time() < deadline:
             try:
                 if self.client.get(f"{url}/health_generate").status_code == 200:
@@ -144,7 +154,18 @@ class SGLangEngine:
                 raise ServerError(
                     f"rollout server {url} exited while starting (see its sglang-*.log in the run dir)"
                 )
-        raise ServerError(f"rollout server {url} is not healthy after {timeout_s:.0f} s (/health_generate)")
+            if time.time() >= report:
+                print(
+                    f"detrl: waiting for rollout server {url} (/health_generate): {time.time() - start:.0f} s "
+                    f"of {timeout_s:.0f} s (rollout.sglang.health_timeout_s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                report += HEALTH_PROGRESS_S
+        raise ServerError(
+            f"rollout server {url} is not healthy after {timeout_s:.0f} s (/health_generate): is it running "
+            "and reachable? (rollout.sglang.urls, rollout.sglang.health_timeout_s)"
+        )
 
     def _check_server(self, url: str) -> None:
         """Refuse, in one line, a server whose sampling or dtype does not match this run."""
@@ -155,9 +176,9 @@ class SGLangEngine:
             except httpx.HTTPError as e:
                 raise ServerError(f"rollout server {url}{path} failed: {e!r}") from e
             if resp.status_code == 200:
-                info = resp.json()
+                info = _json(resp, url, path)
                 break
-        if info is None:
+        if not isinstance(info, dict):
             raise ServerError(
                 f"rollout server {url} answers neither /server_info nor /get_server_info: "
                 "cannot check its enable_deterministic_inference"
@@ -196,7 +217,7 @@ class SGLangEngine:
                 last = repr(e)
             else:
                 if resp.status_code < 400:
-                    return resp.json() if resp.content else None
+                    return _json(resp, url, path) if resp.content else None
                 if resp.status_code < 500:
                     raise ServerError(
                         f"rollout server {url}{path} refused the request "
@@ -206,9 +227,9 @@ class SGLangEngine:
             time.sleep(self.backoff_s * 2**attempt)
         raise ServerError(f"rollout server {url} failed {self.retries + 1} times on {path}: {last}")
 
-    def _payload(self, batch: list[Request]) -> dict:
+    def _payload(self, batch: list[Request], params: SamplingParams | None = None) -> dict:
         """One /generate body; its rids are new at every call (an attempt's rids are never reused)."""
-        p = self.params
+        p = params or self.params
         sps = []
         for r in batch:
             budget = p.max_new_tokens - len(r.prefix)
@@ -233,7 +254,7 @@ class SGLangEngine:
             "rid": [f"{r.prompt_uid}-{r.sample_index}-{len(r.prefix)}-{attempt}" for r in batch],
         }
 
-    def _abort(self, url: str, rids: list[str]) -> None:
+    def _abort_rids(self, url: str, rids: list[str]) -> None:
         """Best effort: free the rids of an attempt we gave up on (one AbortReq per rid, io_struct.py AbortReq)."""
         for rid in rids:
             try:
@@ -241,48 +262,44 @@ class SGLangEngine:
             except httpx.HTTPError:
                 return
 
-    def _parse(self, batch: list[Request], out: list[dict]) -> tuple[list[Result], str | None]:
-        """Results of one /generate answer, or the message of a request the server aborted."""
+    def _parse(
+        self, batch: list[Request], out: object, params: SamplingParams | None = None
+    ) -> tuple[list[Result], str | None]:
+        """Results of one /generate answer, or the message of a request the server aborted. An answer that is
+        not SGLang's shape (one item per request, each with output_ids and meta_info) raises ServerError."""
+        limit = (params or self.params).max_new_tokens
+        if not isinstance(out, list) or len(out) != len(batch):
+            n = len(out) if isinstance(out, list) else type(out).__name__
+            raise ServerError(f"rollout server answered {n} items for {len(batch)} requests")
         results = []
-        for r, item in zip(batch, out, strict=True):
-            meta = item["meta_info"]
-            fr = meta.get("finish_reason")
-            kind = (
-                fr.get("type") if isinstance(fr, dict) else fr
-            )  # SGLang: {"type", "matched" | "length" | "message"}
+        for r, item in zip(batch, out):
+            kind, fr, toks, lps, rid = _fields(item)
             if kind == "abort":
                 return [], _one_line(fr.get("message", "aborted") if isinstance(fr, dict) else "aborted")
-            toks = [t for _, t, _ in meta["output_token_logprobs"]]
-            lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
-            if toks != item["output_ids"]:
-                raise ServerError(
-                    f"rollout server answered rid {meta.get('id')} with output_ids that its "
-                    "output_token_logprobs do not list"
-                )
             if kind == "stop":
                 reason = "stop"
             elif kind == "length":
                 # the server's limit was this call's budget; "abort" = cut there unfinished (continued later)
-                reason = "length" if len(r.prefix) + len(toks) >= self.params.max_new_tokens else "abort"
+                reason = "length" if len(r.prefix) + len(toks) >= limit else "abort"
             else:
-                raise ServerError(f"rollout server answered rid {meta.get('id')} with finish_reason {fr!r}")
+                raise ServerError(f"rollout server answered rid {rid} with finish_reason {fr!r}")
             results.append(Result(r, toks, lps, reason))
         return results, None
 
-    def _run(self, url: str, batch: list[Request]) -> list[Result]:
+    def _run(self, url: str, batch: list[Request], params: SamplingParams | None = None) -> list[Result]:
         last = None
         for attempt in range(self.retries + 1):
-            payload = self._payload(batch)
+            payload = self._payload(batch, params)
             try:
                 resp = self.client.post(f"{url}/generate", json=payload)
             except httpx.TimeoutException as e:
-                self._abort(url, payload["rid"])  # SGLang still holds them
+                self._abort_rids(url, payload["rid"])  # SGLang still holds them
                 last = f"timed out ({e!r})"
             except httpx.HTTPError as e:
                 last = repr(e)
             else:
                 if resp.status_code == 200:
-                    results, aborted = self._parse(batch, resp.json())
+                    results, aborted = self._parse(batch, _json(resp, url, "/generate"), params)
                     if aborted is None:
                         return results
                     last = f"the server aborted the request: {aborted}"
@@ -296,7 +313,11 @@ class SGLangEngine:
             time.sleep(self.backoff_s * 2**attempt)
         raise ServerError(f"rollout server {url} failed {self.retries + 1} times on /generate: {last}")
 
-    def generate(self, requests: list[Request], stop_when=None) -> list[Result]:
+    def generate(
+        self, requests: list[Request], params: SamplingParams | None = None, stop_when=None
+    ) -> list[Result]:
+        """`requests` in batches of max_batch_size, batch j -> server j mod S, sampled with `params` (None: the
+        engine's); results in request order."""
         if stop_when is not None:
             raise ValueError("the SGLang backend cuts partial rollouts by token budget (determinism=on)")
         batches = [
@@ -304,7 +325,7 @@ class SGLangEngine:
         ]
         targets = [self.urls[j % len(self.urls)] for j in range(len(batches))]
         with ThreadPoolExecutor(len(self.urls)) as pool:
-            parts = list(pool.map(self._run, targets, batches))
+            parts = list(pool.map(lambda u, b: self._run(u, b, params), targets, batches))
         return [r for part in parts for r in part]
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -323,9 +344,10 @@ class SGLangEngine:
                     "weight_version": str(self._version),
                 },
             )
-            if not (res or {}).get("success", False):
+            res = res if isinstance(res, dict) else {}
+            if not res.get("success", False):
                 raise ServerError(
-                    f"rollout server {url} could not load the weights: {_one_line((res or {}).get('message'))}"
+                    f"rollout server {url} could not load the weights: {_one_line(res.get('message'))}"
                 )
 
     def close(self) -> None:

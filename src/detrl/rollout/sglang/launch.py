@@ -1,8 +1,8 @@
 """Launch SGLang servers for `rollout=sglang`, with every argument checked by the installed SGLang first.
 
 The launch arguments are parsed and resolved with SGLang's own `ServerArgs` before any process starts: an
-argument the installed version lacks fails at once with one line naming it and the SGLang version (the
-seed PR's review asked for exactly this about `--rl-on-policy-target`).
+argument the installed version lacks, or a combination its resolution refuses, fails at once in one line naming
+it and the SGLang version.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def sglang_version() -> str:
     return sglang.__version__
 
 
-def check_server_args(argv: list[str]):
-    """Parse and resolve `argv` with the installed SGLang's ServerArgs -> the resolved ServerArgs."""
+def parse_server_args(argv: list[str]):
+    """Parse `argv` with the installed SGLang's ServerArgs (server_args.py `prepare_server_args`), unresolved."""
     version = sglang_version()
     from sglang.srt.server_args import ServerArgs
 
@@ -101,6 +101,29 @@ def check_server_args(argv: list[str]):
         return ServerArgs.from_cli_args(args)
     except Exception as e:  # noqa: BLE001 - SGLang's own validation, reported in one line
         raise ConfigError(f"SGLang {version} refuses the launch arguments: {str(e).splitlines()[0]}") from e
+
+
+def check_server_args(argv: list[str]):
+    """Parse `argv`, then run SGLang's resolution (server_args.py `ServerArgs.resolve_once`, which launch_server
+    runs before it starts: arg_groups/pipeline.py `run_resolution_pipeline`, e.g. arg_groups/overrides.py
+    `_deterministic_attention_backend`) -> the resolved ServerArgs. Any refusal is one ConfigError line; a
+    resolution that cannot import one of SGLang's runtime dependencies (SGLang installed --no-deps) names it."""
+    sa = parse_server_args(argv)
+    version = sglang_version()
+    environ = dict(os.environ)  # resolution handlers may set variables: they are the server's, not ours
+    try:
+        sa.resolve_once()
+    except ImportError as e:
+        raise ConfigError(
+            f"SGLang {version} cannot resolve the launch arguments here: its dependency {e.name or e!s} is not "
+            f"installed ({INSTALL_HINT})"
+        ) from e
+    except Exception as e:  # noqa: BLE001 - SGLang's own resolution, reported in one line
+        raise ConfigError(f"SGLang {version} refuses the launch arguments: {str(e).splitlines()[0]}") from e
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    return sa
 
 
 def launch(argv: list[str], log_path: Path, gpu_ids: list[int] | None = None) -> subprocess.Popen:
