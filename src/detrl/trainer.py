@@ -38,8 +38,8 @@ from detrl.config import ConfigError, TrainConfig
 from detrl.data import build_task, stop_token_ids, tokenizer_for
 from detrl.device import check_compute_dtype, resolve_device, resolve_dtype, to_device
 from detrl.evaluate import Evaluator
-from detrl.loss_scale import LossScaler
 from detrl.fingerprint import drift_step, params_digest, rollout_fingerprints
+from detrl.loss_scale import LossScaler
 from detrl.models import preflight
 from detrl.models.build import build_model, checkpoint_architecture
 from detrl.models.forward import rope_tables
