@@ -17,7 +17,8 @@ detect a given difference at a given power, from the noncentral t (scipy).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -37,6 +38,7 @@ class Components:
     runs: int
     lo: dict[str, float]
     hi: dict[str, float]
+    values: pd.DataFrame | None = field(default=None, repr=False, compare=False)  # the runs decomposed
 
     @property
     def total(self) -> float:
@@ -147,7 +149,33 @@ def decompose(
     for k, v in boot.items():
         v = v[~np.isnan(v)]
         lo[k], hi[k] = (float(x) for x in np.quantile(v, q)) if len(v) else (np.nan, np.nan)
-    return Components(mean, between, within, y.shape[0], int((~np.isnan(y)).sum()), lo, hi)
+    runs = int((~np.isnan(y)).sum())
+    return Components(mean, between, within, y.shape[0], runs, lo, hi, df[[seed, value]])
+
+
+def added_share(
+    off: pd.DataFrame,
+    on: pd.DataFrame,
+    value: str = "value",
+    seed: str = "seed",
+    n_boot: int = 2000,
+    level: float = 0.95,
+    rng: int = 0,
+) -> tuple[float, float, float]:
+    """(estimate, lo, hi) of within(off) / between(on): the repeat variance that `determinism=off` adds, as a
+    share of the seed variance measured where it is the only part (`on`: repeats identical). The two sweeps'
+    halves are bootstrapped independently (each hierarchically)."""
+    y_off, y_on = seed_matrix(off, value, seed), seed_matrix(on, value, seed)
+    est = float(_ratio(anova(y_off)[2], anova(y_on)[1]))
+    gen = np.random.default_rng(rng)
+    draws = _ratio(
+        anova(bootstrap_draws(y_off, n_boot, gen))[2], anova(bootstrap_draws(y_on, n_boot, gen))[1]
+    )
+    draws = draws[~np.isnan(draws)]
+    if not len(draws):
+        return est, np.nan, np.nan
+    lo, hi = np.quantile(draws, ((1 - level) / 2, (1 + level) / 2))
+    return est, float(lo), float(hi)
 
 
 def decompose_steps(
@@ -204,3 +232,48 @@ def seeds_needed(
         mid = (lo + hi) // 2
         lo, hi = (mid + 1, hi) if power(mid, variance, delta, alpha) < target else (lo, mid)
     return hi
+
+
+# ---------------------------------------------------------------- a sweep's runs as (config, seed, repeat, value)
+
+_SEED_IN_NAME = re.compile(r"_s(\d+)_r\d+$")  # W&B run names: <cell>_s<seed>_r<repeat>
+
+
+def seed_of(cell: str, run: str) -> int:
+    """The run's seed: its cell's `seed=` override, else the `_s<seed>_r<repeat>` of its run name, else 0."""
+    for part in cell.split(","):
+        if part.startswith("seed="):
+            return int(part.split("=", 1)[1])
+    m = _SEED_IN_NAME.search(run)
+    return int(m.group(1)) if m else 0
+
+
+def config_of(cell: str) -> str:
+    """A cell without its seed: runs of one config differ only by seed and repeat."""
+    return ",".join(p for p in cell.split(",") if not p.startswith("seed=")) or "default"
+
+
+def step_values(sweep, metric: str) -> pd.DataFrame:
+    """One row per (complete run, logged step): config, seed, repeat, step, value (NaN where not logged)."""
+    if metric not in sweep.metrics.columns:
+        raise KeyError(
+            f"metric {metric!r} is not in this sweep; choose one of {sorted(sweep.metrics.columns)[:40]}"
+        )
+    runs = sweep.runs[sweep.runs.status == "complete"]
+    m = sweep.metrics[sweep.metrics.run.isin(runs.run)][["run", "cell", "repeat", "step", metric]]
+    m = m.rename(columns={metric: "value"})
+    m["value"] = pd.to_numeric(m["value"], errors="coerce")
+    m["seed"] = [seed_of(c, r) for c, r in zip(m.cell, m.run)]
+    m["config"] = m.cell.map(config_of)
+    return m[["run", "config", "seed", "repeat", "step", "value"]]
+
+
+def run_values(sweep, metric: str = "critic/score/mean", window: int = 5) -> pd.DataFrame:
+    """One row per complete run: config, seed, repeat, value = the mean of the metric's last `window` logged
+    (non-NaN) values; window=1 is the last value (an eval metric: the last eval)."""
+    if window < 1:
+        raise ValueError(f"window={window} is not valid: must be >= 1")
+    m = step_values(sweep, metric).dropna(subset=["value"]).sort_values(["run", "step"])
+    tail = m.groupby("run", sort=False).tail(window)
+    out = tail.groupby(["run", "config", "seed", "repeat"], as_index=False).value.mean()
+    return out.sort_values(["config", "seed", "repeat"]).reset_index(drop=True)
