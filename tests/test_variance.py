@@ -111,3 +111,20 @@ def test_seeds_needed_matches_the_t_test_tables():
     assert seeds_needed(0.02, 0.05) > seeds_needed(0.01, 0.05)
     with pytest.raises(ValueError, match="delta"):
         seeds_needed(1.0, 0.0)
+
+
+def test_the_variance_preset_composes_to_its_grid():
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import CONF
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=variance"], return_hydra_config=True)
+    grid = {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
+    assert grid == {
+        "seed": ["0", "1", "2", "3", "4"],
+        "model": ["qwen3", "qwen3_moe"],
+        "determinism": ["on", "off"],
+        "repeat": ["0", "1", "2"],
+    }
+    assert cfg.eval.every > 0 and cfg.data.eval_fraction > 0 and cfg.steps == 20
