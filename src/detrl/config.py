@@ -43,7 +43,9 @@ class ModelConfig:
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 128
     norm_topk_prob: bool = True
-    dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16
+    dtype: str = (
+        "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
+    )
 
 
 @dataclass
@@ -427,7 +429,7 @@ def validate(cfg: TrainConfig) -> None:
     )
     _choice("model.name", m.name, MODEL_NAMES)
     _choice("model.init", m.init, MODEL_INITS)
-    _choice("model.dtype", m.dtype, ("auto", "float32", "bfloat16"))
+    _choice("model.dtype", m.dtype, ("auto", "float32", "bfloat16", "float16"))
     _choice("device", cfg.device, ("auto", "cpu", "cuda"))
     _check(
         m.num_attention_heads % m.num_key_value_heads == 0,

@@ -1,9 +1,11 @@
-"""Where a run computes, decided once: `device=auto|cpu|cuda` and `model.dtype=auto|float32|bfloat16`.
+"""Where a run computes, decided once: `device=auto|cpu|cuda` and `model.dtype=auto|float32|bfloat16|float16`.
 
 auto: CUDA when torch sees a GPU, else CPU. The compute dtype `auto` is float32 on CPU (the CPU default's
 bits never change) and bfloat16 on CUDA. Master weights and optimizer state stay float32 on every device:
 the forward runs on bf16 copies of the fused weights (`detrl.models.forward.fuse(model, dtype)`), whose
-gradients flow back to the float32 parameters.
+gradients flow back to the float32 parameters. float16 ("Defeating the training-inference mismatch via FP16",
+arXiv 2510.26788: 10 mantissa bits to bf16's 7, so trainer and engine round less apart) adds dynamic loss
+scaling (`detrl.loss_scale`) for its narrow exponent range.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from detrl.config import ConfigError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,6 +38,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"model.dtype={name!r} is not valid; choose one of ['auto', *{list(DTYPES)}]")
     return DTYPES[name]
+
+
+def check_compute_dtype(device: torch.device, dtype: torch.dtype, invariant_kernels: bool) -> None:
+    """Refuse, in one line, a compute dtype whose bits the batch-invariant kernels cannot promise here."""
+    if dtype == torch.float16 and device.type == "cpu" and invariant_kernels:
+        # measured: the trainer's float16 logprobs differ from the engine's (~1e-8 mean, step 1), where
+        # float32 and bfloat16 are bitwise equal; the gemm preflight passes, so it is another op's float16 kernel
+        raise ConfigError(
+            "model.dtype=float16 is not valid with determinism.kernels=batch_invariant on CPU: trainer and "
+            "engine logprobs are not bitwise equal in float16 here; use determinism=off (or kernels=default), "
+            "or model.dtype=bfloat16 / float32"
+        )
 
 
 def to_device(batch, device: torch.device):

@@ -23,6 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from detrl import variance_report  # noqa: E402
 from detrl.analysis import (  # noqa: E402
     Sweep,
     distances,
@@ -522,6 +523,7 @@ def render(
         fig.savefig(out / f"{name}.png", dpi=110)
         plt.close(fig)
     (out / "summary.md").write_text(summary_markdown(sweep, Path(sweep_dir or wandb_path).name))
+    variance_report.write(sweep, out)  # "Variance" section + variance.png, where a config has several seeds
     return out
 
 

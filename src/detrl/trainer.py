@@ -37,9 +37,10 @@ from detrl.algos.routing import layer_agreement
 from detrl.collect import GroupSource, StepBatch, collect, collect_partial
 from detrl.config import ConfigError, TrainConfig
 from detrl.data import build_task, stop_token_ids, tokenizer_for
-from detrl.device import resolve_device, resolve_dtype, to_device
+from detrl.device import check_compute_dtype, resolve_device, resolve_dtype, to_device
 from detrl.evaluate import Evaluator
 from detrl.fingerprint import drift_step, params_digest, rollout_fingerprints
+from detrl.loss_scale import LossScaler
 from detrl.models import preflight
 from detrl.models.build import build_model, checkpoint_architecture
 from detrl.models.forward import rope_tables
@@ -89,6 +90,7 @@ def update(
     rope,
     version: int,
     dp: distributed.DataParallel | None = None,
+    scaler: LossScaler | None = None,
 ):
     """PPO-style update of one rollout batch, as verl's actor (compute_log_prob, then update_policy). -> metrics.
 
@@ -111,9 +113,11 @@ def update(
     MoE with recorded routing: `mismatch/router_agreement` compares the old pass's own top-k ids with the engine's
     (with replay, each layer's own choice given the replayed layers below);
     `algo.routing_replay` makes the old and gradient passes use the engine's ids on the response tokens.
+    `scaler` (`detrl.loss_scale`): dynamic loss scaling of a float16 compute copy; a no-op otherwise.
     """
     a, temp, mb = cfg.algo, cfg.rollout.temperature, cfg.micro_batch_size
     dp = dp or distributed.DataParallel(model, ordered=True)
+    scaler = scaler or LossScaler(torch.float32, batch.mask.device)  # disabled: float32 / bfloat16
     n = batch.input_ids.shape[0]
     fresh = (batch.versions == version).float() * batch.mask  # tokens sampled by the current weights
     # --- 1. old (and reference) logprobs, before the first update
@@ -242,7 +246,7 @@ def update(
                     rec["kl_loss"] = kl.item() / dp.loss_scale
                 if a.entropy_coeff:
                     loss = loss - a.entropy_coeff * agg_loss(ent_g, mask, **agg)
-                loss.backward()
+                scaler.scale(loss).backward()
                 dp.after_backward(model, key)
                 share = (mask.sum() / tokens).item()
                 records.append(
@@ -256,6 +260,7 @@ def update(
                         },
                     )
                 )
+            scaler.unscale(opt)  # float16: the true gradients before clipping
             grad_norm = dp.reduce(model, cfg.grad_clip)  # this rank's gradient shards, clipped
             if reuse:
                 old_trainer, ent, agree = dp.gather_rows([old_trainer, ent, agree], mine)
@@ -263,7 +268,7 @@ def update(
             for rec in dp.gather_records(records):
                 for k, v in rec.items():
                     sums[k] += v
-            opt.step()
+            scaler.step(opt)  # opt.step(); float16: skipped when a gradient is inf / NaN
             for k, v in sums.items():
                 per_step[k].append(v)
             per_step["grad_norm"].append(float(grad_norm))
@@ -302,6 +307,7 @@ def update(
         **{k: float(v) for k, v in corr_metrics.items()},
         # fraction of fresh response (token, layer) slots where the trainer's top-k set is the engine's
         **({} if agree is None else {"mismatch/router_agreement": mean(agree[f])}),
+        **scaler.metrics(),
     }
 
 
@@ -356,6 +362,7 @@ def build(cfg: TrainConfig):
         resolve_dtype(cfg.model.dtype, device),
         cfg.activation_checkpointing,
     )
+    check_compute_dtype(det.device, det.dtype, det.invariant_kernels)  # float16 on CPU: not under on
     if det.device.type == "cuda" and det.invariant_kernels and det.dtype == torch.float32:
         raise ConfigError(
             "model.dtype=float32 is not valid with determinism.kernels=batch_invariant on CUDA: the "
@@ -495,6 +502,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
         distributed.shard(model, ref_model)
         engine = RankEngine(engine, det)
     dp = distributed.DataParallel(model, ordered=det.ordered_reduce)
+    scaler = LossScaler(det.dtype, det.device)  # float16: dynamic loss scaling; else a no-op
     # fused: one kernel for all parameters (0.22 vs 1.09 ms per step on the default model)
     o = cfg.optim
     opt = torch.optim.AdamW(
@@ -557,7 +565,18 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
                     step - 1, cfg.steps, warmup, o.lr_scheduler_type, o.min_lr_ratio, o.num_cycles
                 )
             metrics = update(
-                model, ref_model, opt, batch, step_adv, cfg, det.ops, ctx_len, rope, version=step - 1, dp=dp
+                model,
+                ref_model,
+                opt,
+                batch,
+                step_adv,
+                cfg,
+                det.ops,
+                ctx_len,
+                rope,
+                version=step - 1,
+                dp=dp,
+                scaler=scaler,
             )
             adv, kl_coef = step_adv.value, step_adv.next_kl_coef  # computed once the old logprobs were known
             metrics.update(step_adv.metrics)
