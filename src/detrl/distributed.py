@@ -69,6 +69,29 @@ def init() -> int:
     return world_size()
 
 
+def trainer_threads(env: dict, cores: int, world: int, ordered: bool) -> int | None:
+    """The intra-op thread count a rank must run at so that its bits are a plain process's (None: leave it).
+
+    CPU results depend on the thread count (measured on 2 cores: at 16 threads MKL's gemm is no longer
+    row-invariant and the self-check routes every linear through the tiled fallback: other bits). A plain
+    `python train.py` runs at torch's default (every core, or the user's OMP_NUM_THREADS); torchrun starts each
+    rank at OMP_NUM_THREADS=1 when none is set. Under the ordered reduce a rank runs at what a plain process
+    would: the user's value, or every core where the value is torchrun's 1 (an explicit OMP_NUM_THREADS=1 reads
+    the same: ranks then run at every core)."""
+    if world <= 1 or not ordered:
+        return None
+    given = env.get("OMP_NUM_THREADS")
+    return int(given) if given and given != "1" else cores
+
+
+def pin_threads(ordered: bool) -> int:
+    """Set this process's intra-op threads by `trainer_threads` (before any math) -> the count it runs at."""
+    n = trainer_threads(dict(os.environ), len(os.sched_getaffinity(0)), world_size(), ordered)
+    if n is not None and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
 def close() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -209,6 +232,20 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
 # --- the trainer's data parallelism --------------------------------------------------------------------------
 
 
+def micro_batches(
+    start: int, stop: int, mb: int, world: int, rank: int, ordered: bool
+) -> list[tuple[tuple, slice]]:
+    """Rank `rank`'s (key, rows) of the rows [start, stop). ordered: one process's micro-batches of `mb` rows,
+    micro-batch k on rank k mod world (a rank may hold none); else a contiguous 1/world share per rank,
+    micro-batched locally. Keys order the micro-batches globally."""
+    if ordered:
+        cuts = [((k,), slice(lo, min(lo + mb, stop))) for k, lo in enumerate(range(start, stop, mb))]
+        return [c for c in cuts if c[0][0] % world == rank]
+    n = stop - start
+    lo, hi = start + n * rank // world, start + n * (rank + 1) // world
+    return [((rank, k), slice(a, min(a + mb, hi))) for k, a in enumerate(range(lo, hi, mb))]
+
+
 class DataParallel:
     """How `update()` spreads one mini-batch's micro-batches over ranks and reduces their gradients.
 
@@ -234,12 +271,7 @@ class DataParallel:
 
     def micro_batches(self, start: int, stop: int, mb: int) -> list[tuple[tuple, slice]]:
         """This rank's (key, rows) of the mini-batch rows [start, stop); keys order micro-batches globally."""
-        if self.world == 1 or self.ordered:
-            cuts = [((k,), slice(lo, min(lo + mb, stop))) for k, lo in enumerate(range(start, stop, mb))]
-            return [c for c in cuts if c[0][0] % self.world == self.rank]
-        n = stop - start  # averaged: a contiguous share per rank, micro-batched locally
-        lo, hi = start + n * self.rank // self.world, start + n * (self.rank + 1) // self.world
-        return [((self.rank, k), slice(a, min(a + mb, hi))) for k, a in enumerate(range(lo, hi, mb))]
+        return micro_batches(start, stop, mb, self.world, self.rank, self.ordered or self.world == 1)
 
     def gather_rows(self, tensors: list[torch.Tensor | None], mine: list[slice]) -> list[torch.Tensor | None]:
         """Rows each rank computed (its `mine` slices), assembled on every rank (a copy: the same bits)."""

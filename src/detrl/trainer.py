@@ -458,6 +458,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     run_dir = Path(run_dir)
     config = dataclasses.asdict(cfg)
     world = distributed.init()  # torchrun: join the process group (WORLD_SIZE > 1); else one process, as ever
+    threads = distributed.pin_threads(cfg.determinism.reduce == "ordered")  # a plain process's, on every rank
     distributed.check_supported(cfg)
     # --- a resume is checked before anything is written
     ckpt = checkpoint.resolve(cfg.resume, run_dir)
@@ -475,7 +476,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     model.train()
     rope = rope_tables(model.config, ctx_len, det.device, det.dtype)
     # determinism=on: batch invariance proven on this device, dtype and model before step 0 (fail-closed)
-    numerics = preflight.numerics_contract(det, model, ctx_len, rope)
+    numerics = {**preflight.numerics_contract(det, model, ctx_len, rope), "threads": threads}
     if distributed.is_main():
         (run_dir / "numerics.json").write_text(json.dumps(numerics, indent=1))
     engine = make_engine(cfg, model, det, ctx_len, sampling, tokenizer, run_dir)
