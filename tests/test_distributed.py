@@ -1,9 +1,11 @@
 """torchrun (gloo, CPU): FSDP2 gradients equal one process's; determinism=on runs are bitwise run to run, the same
-bits on 1 and 2 ranks (dense and MoE), and resume exactly from a 2-rank (DCP) checkpoint.
+bits on 1, 2 and 3 ranks (the tiny config and the defaults, dense and MoE), and resume exactly from a 2-rank
+(DCP) checkpoint.
 
-Two torchrun launches (imports dominate: ~10 s per launch on 2 cores): `train.py` itself, and this file as a
-worker (`python -m torch.distributed.run ... tests/test_distributed.py worker DIR`) that in one process group
-checks gradients, repeats the first run, resumes it from its step-1 checkpoint, trains the MoE, and runs `off`.
+Four torchrun launches (imports dominate: ~10 s per launch on 2 cores): `train.py` itself; this file as a worker
+(`python -m torch.distributed.run ... tests/test_distributed.py worker DIR`) that in one process group checks
+gradients, repeats the first run, resumes it from its step-1 checkpoint, trains the MoE, and runs `off`; and
+this file's `defaults` worker on 2 and 3 ranks (the "on" gradient cases, then the default config).
 """
 
 from __future__ import annotations
@@ -106,12 +108,17 @@ DEFAULTS = ["steps=2", "logger=none", "checkpoint.save_final=false", "device=cpu
 
 
 def _defaults_worker(out: Path) -> None:
-    """Under torchrun: the default config (dense, then MoE) in one process group."""
+    """Under torchrun: the "on" gradient cases, then the default config (dense, then MoE) in one process group."""
     from detrl import distributed
     from detrl.trainer import train
     from tests.conftest import make_cfg
 
     distributed.init()
+    torch.use_deterministic_algorithms(True)  # the gradient cases' (train sets its own)
+    got = {case: _grads(*case, dp=True) for case in GRAD_CASES if case[1] == "on"}
+    if distributed.is_main():
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(got, out / "grads.pt")
     for name, extra in (("dense", []), ("moe", ["model=qwen3_moe"])):
         train(make_cfg(*DEFAULTS, *extra), out / name)
     distributed.close()
@@ -251,6 +258,21 @@ def test_defaults_give_the_same_bits_on_one_two_and_three_ranks(defaults, model)
         assert _fps(defaults / f"w{w}" / model) == one, w
         threads = json.loads((defaults / f"w{w}" / model / "numerics.json").read_text())["threads"]
         assert threads == json.loads((defaults / "w1" / model / "numerics.json").read_text())["threads"]
+
+
+def test_three_rank_gradients_equal_one_process(defaults):
+    """3 ranks, 4 micro-batches: rank 0 holds two, ranks 1 and 2 one each, and the second round has one sender
+    only; the shards exchanged round by round add up to one process's gradient, bit for bit."""
+    got = torch.load(defaults / "w3" / "grads.pt")
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert len(got) == 2
+        for case, grads in got.items():
+            want = _grads(*case)
+            for g, w in zip(grads, want, strict=True):
+                assert torch.equal(g, w), case
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_trainer_threads_are_a_plain_processs():

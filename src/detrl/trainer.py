@@ -181,7 +181,11 @@ def update(
             records = []  # per micro-batch (key, metrics), summed in global micro-batch order below
             opt.zero_grad(set_to_none=True)
             distributed.unshard(model)  # FSDP2: the full weights for the functional forward (else a no-op)
-            for key, sl in dp.micro_batches(start, stop, mb):
+            for item in dp.rounds(start, stop, mb):
+                if item is None:  # ordered: no micro-batch of this round here; the exchange is collective
+                    dp.after_backward(model, trained=False)
+                    continue
+                key, sl = item
                 mask = train_mask[sl]
                 if (
                     reuse
@@ -208,6 +212,7 @@ def update(
                         stale_mode, old_trainer[sl], batch.rollout_logp[sl], fresh[sl], batch.mask[sl]
                     )[0]
                 if not mask.any():
+                    dp.after_backward(model, trained=False)
                     continue
                 if not reuse:
                     logp, ent_g = sequence_logprobs(
@@ -237,7 +242,7 @@ def update(
                 if a.entropy_coeff:
                     loss = loss - a.entropy_coeff * agg_loss(ent_g, mask, **agg)
                 loss.backward()
-                dp.after_backward(model, key)
+                dp.after_backward(model, trained=True)  # ordered: the round's shards to their owners
                 share = (mask.sum() / tokens).item()
                 records.append(
                     (
