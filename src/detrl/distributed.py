@@ -270,9 +270,7 @@ class DataParallel:
         self.world, self.rank, self.ordered = world_size(), rank(), ordered
         self.sharded = list(model.parameters())  # FSDP2: the DTensor shards the optimizer holds
         self.loss_scale = self.world if (self.world > 1 and not ordered) else 1  # verl's dp_size
-        self._acc: list[torch.Tensor] | None = (
-            None  # ordered: this rank's shards of the mini-batch's gradient
-        )
+        self._acc: list[torch.Tensor] | None = None  # ordered: this rank's shards of the mini-batch's grads
         self._rows = [_shard_rows(p.shape[0], self.world) for p in self.sharded]
 
     def micro_batches(self, start: int, stop: int, mb: int) -> list[tuple[tuple, slice]]:
