@@ -7,12 +7,23 @@ A small-width Qwen3 (2 layers, hidden 64) with Qwen3's vocabulary (151,936) scor
 16-token prompt + `--response` response tokens; `detrl.trainer.update` runs one GRPO update (reference
 model and KL on, entropy logged) on them. Prints the process's RSS before the update, its peak (VmHWM)
 after, and the difference: what the update's activations cost. Run one configuration per process.
+
+    PYTHONPATH=src python benchmarks/memory.py --ranks 1,2 --json rss.json      # whole runs, side by side
+
+`--ranks`: one short `train.py` run per world size (a plain process for 1, torchrun for more) of a ~50M-parameter
+Qwen3 (`RANKS_MODEL`, random init, Qwen3's vocabulary); each rank reports its peak RSS (VmHWM, the trainer process
+alone: the engine's forked workers not counted); `--json` writes them with each world size's ratio to 1 rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,8 +37,77 @@ def rss_mib() -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
+RANKS_MODEL = [  # ~50M parameters: 151,936 x 320 tied embedding (48.6M) + 4 layers
+    "model.init=random",
+    "model.vocab_size=151936",
+    "model.hidden_size=320",
+    "model.intermediate_size=640",
+    "model.num_hidden_layers=4",
+    "steps=2",
+    "train_batch_size=4",
+    "rollout.n=4",
+    "micro_batch_size=4",
+    "algo.ppo_mini_batch_size=2",
+    "rollout.num_workers=1",
+    "logger=none",
+    "checkpoint.save_final=false",
+    "device=cpu",
+]
+
+
+def rank_worker(out: Path, overrides: list[str]) -> None:
+    """One training run (under torchrun: this rank's part) -> out/rss-<rank>.json with its peak RSS."""
+    from hydra import compose, initialize_config_dir
+
+    import detrl
+    from detrl import distributed
+    from detrl.config import register_configs, to_typed
+    from detrl.trainer import train
+
+    register_configs()
+    conf = Path(detrl.__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = to_typed(compose("train", overrides=overrides))
+    train(cfg, out / "run")
+    rank = distributed.rank()
+    (out / f"rss-{rank}.json").write_text(json.dumps({"rank": rank, "peak_rss_mib": rss_mib()[1]}))
+
+
+def side_by_side(worlds: list[int], overrides: list[str], json_path: str | None) -> dict:
+    """Peak RSS per rank of the same run on each world size, one after the other on this machine."""
+    res: dict = {"overrides": overrides, "worlds": {}}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    for w in worlds:
+        out = Path(tempfile.mkdtemp(prefix=f"rss-w{w}-"))
+        launch = [sys.executable] + (
+            ["-m", "torch.distributed.run", "--nproc-per-node", str(w)] if w > 1 else []
+        )
+        subprocess.run([*launch, __file__, "--worker", str(out), "--", *overrides], check=True, env=env)
+        peaks = [json.loads((out / f"rss-{r}.json").read_text())["peak_rss_mib"] for r in range(w)]
+        res["worlds"][str(w)] = {"peak_rss_mib_per_rank": peaks, "max_mib": max(peaks)}
+    one = res["worlds"].get("1", {}).get("max_mib")
+    for v in res["worlds"].values():
+        v["ratio_to_1_rank"] = v["max_mib"] / one if one else None
+    print(json.dumps(res, indent=1))
+    if json_path:
+        Path(json_path).write_text(json.dumps(res, indent=1))
+    return res
+
+
 def main() -> None:
+    if "--worker" in sys.argv:  # python memory.py --worker DIR -- overrides...
+        i = sys.argv.index("--worker")
+        rank_worker(Path(sys.argv[i + 1]), sys.argv[sys.argv.index("--") + 1 :])
+        return
     p = argparse.ArgumentParser()
+    p.add_argument("--ranks", default="", help="e.g. 1,2: whole runs on these world sizes, peak RSS per rank")
+    p.add_argument("--json", default=None, help="write the --ranks results here")
+    p.add_argument("overrides", nargs="*", help="train.py overrides after RANKS_MODEL's (--ranks)")
     p.add_argument("--vocab", type=int, default=151_936)
     p.add_argument("--response", type=int, default=1024)
     p.add_argument("--seqs", type=int, default=2)
@@ -41,6 +121,9 @@ def main() -> None:
         "decoding --response tokens (sampling noise memory)",
     )
     args = p.parse_args()
+    if args.ranks:
+        side_by_side([int(w) for w in args.ranks.split(",")], RANKS_MODEL + args.overrides, args.json)
+        return
     torch.set_num_threads(1)
 
     from hydra import compose, initialize_config_dir

@@ -1,9 +1,11 @@
 """torchrun (gloo, CPU): FSDP2 gradients equal one process's; determinism=on runs are bitwise run to run, the same
-bits on 1 and 2 ranks (dense and MoE), and resume exactly from a 2-rank (DCP) checkpoint.
+bits on 1, 2 and 3 ranks (the tiny config and the defaults, dense and MoE), and resume exactly from a 2-rank
+(DCP) checkpoint.
 
-Two torchrun launches (imports dominate: ~10 s per launch on 2 cores): `train.py` itself, and this file as a
-worker (`python -m torch.distributed.run ... tests/test_distributed.py worker DIR`) that in one process group
-checks gradients, repeats the first run, resumes it from its step-1 checkpoint, trains the MoE, and runs `off`.
+Four torchrun launches (imports dominate: ~10 s per launch on 2 cores): `train.py` itself; this file as a worker
+(`python -m torch.distributed.run ... tests/test_distributed.py worker DIR`) that in one process group checks
+gradients, repeats the first run, resumes it from its step-1 checkpoint, trains the MoE, and runs `off`; and
+this file's `defaults` worker on 2 and 3 ranks (the "on" gradient cases, then the default config).
 """
 
 from __future__ import annotations
@@ -102,6 +104,26 @@ def _grads(model_name: str, det: str, mode: str, dp=None) -> list[torch.Tensor]:
     return opt.grads[0]
 
 
+DEFAULTS = ["steps=2", "logger=none", "checkpoint.save_final=false", "device=cpu"]
+
+
+def _defaults_worker(out: Path) -> None:
+    """Under torchrun: the "on" gradient cases, then the default config (dense, then MoE) in one process group."""
+    from detrl import distributed
+    from detrl.trainer import train
+    from tests.conftest import make_cfg
+
+    distributed.init()
+    torch.use_deterministic_algorithms(True)  # the gradient cases' (train sets its own)
+    got = {case: _grads(*case, dp=True) for case in GRAD_CASES if case[1] == "on"}
+    if distributed.is_main():
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(got, out / "grads.pt")
+    for name, extra in (("dense", []), ("moe", ["model=qwen3_moe"])):
+        train(make_cfg(*DEFAULTS, *extra), out / name)
+    distributed.close()
+
+
 def _worker(out: Path) -> None:
     """Under torchrun: the gradient cases, then three training runs in one process group."""
     from detrl import distributed
@@ -196,5 +218,73 @@ def test_released_reduce_alone_changes_only_the_parameters(runs):
     assert d is not None and d[1] == "fp/params", d
 
 
+@pytest.fixture(scope="module")
+def defaults(tmp_path_factory) -> Path:
+    """The default config (dense and MoE, 2 steps) on 1, 2 and 3 ranks."""
+    from detrl.trainer import train
+    from tests.conftest import make_cfg
+
+    out = tmp_path_factory.mktemp("defaults")
+    for w in (2, 3):
+        _torchrun(__file__, "defaults", str(out / f"w{w}"), nproc=w)
+    for name, extra in (("dense", []), ("moe", ["model=qwen3_moe"])):
+        train(make_cfg(*DEFAULTS, *extra), out / "w1" / name)
+    return out
+
+
+def test_ranks_hold_zero_one_and_several_micro_batches():
+    """The layouts the default runs below exercise (32 prompts x 8 = 256 sequences, mini-batches of 128,
+    micro-batches of 64): 3 ranks -> ranks holding 1, 1, 0 micro-batches of a mini-batch, and 2, 1, 1 of the
+    old-logprob pass; the tiny runs above (micro_batch_size=8, mini-batches of 16): 2 per rank."""
+    from detrl.distributed import micro_batches
+
+    def held(n, mb, w):
+        return [len(micro_batches(0, n, mb, w, r, ordered=True)) for r in range(w)]
+
+    assert held(128, 64, 3) == [1, 1, 0] and held(256, 64, 3) == [2, 1, 1]
+    assert held(128, 64, 2) == [1, 1] and held(16, 8, 2) == [1, 1] and held(32, 8, 2) == [2, 2]
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_defaults_give_the_same_bits_on_one_two_and_three_ranks(defaults, model):
+    """`python train.py` vs `torchrun --nproc-per-node 2|3 train.py` at the defaults (micro_batch_size=64: one
+    micro-batch per rank, or none): every fingerprint at every step, and each rank at a plain process's thread
+    count (torchrun's OMP_NUM_THREADS=1 would put them on other kernels on a many-core machine)."""
+    import json
+
+    one = _fps(defaults / "w1" / model)
+    assert len(one) == 2
+    for w in (2, 3):
+        assert _fps(defaults / f"w{w}" / model) == one, w
+        threads = json.loads((defaults / f"w{w}" / model / "numerics.json").read_text())["threads"]
+        assert threads == json.loads((defaults / "w1" / model / "numerics.json").read_text())["threads"]
+
+
+def test_three_rank_gradients_equal_one_process(defaults):
+    """3 ranks, 4 micro-batches: rank 0 holds two, ranks 1 and 2 one each, and the second round has one sender
+    only; the shards exchanged round by round add up to one process's gradient, bit for bit."""
+    got = torch.load(defaults / "w3" / "grads.pt")
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert len(got) == 2
+        for case, grads in got.items():
+            want = _grads(*case)
+            for g, w in zip(grads, want, strict=True):
+                assert torch.equal(g, w), case
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_trainer_threads_are_a_plain_processs():
+    from detrl.distributed import trainer_threads
+
+    assert trainer_threads({}, 16, 1, True) is None  # one process: torch's own choice
+    assert trainer_threads({"OMP_NUM_THREADS": "1"}, 16, 2, True) == 16  # torchrun's default
+    assert trainer_threads({"OMP_NUM_THREADS": "4"}, 16, 2, True) == 4  # the user's
+    assert trainer_threads({"OMP_NUM_THREADS": "1"}, 16, 2, False) is None  # off: torchrun's
+
+
 if __name__ == "__main__" and sys.argv[1] == "worker":
     _worker(Path(sys.argv[2]))
+if __name__ == "__main__" and sys.argv[1] == "defaults":
+    _defaults_worker(Path(sys.argv[2]))

@@ -21,6 +21,7 @@ single-process code (same bits as before this module existed). With WORLD_SIZE >
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from pathlib import Path
 
@@ -67,6 +68,29 @@ def init() -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend())
     return world_size()
+
+
+def trainer_threads(env: dict, cores: int, world: int, ordered: bool) -> int | None:
+    """The intra-op thread count a rank must run at so that its bits are a plain process's (None: leave it).
+
+    CPU results depend on the thread count (measured on 2 cores: at 16 threads MKL's gemm is no longer
+    row-invariant and the self-check routes every linear through the tiled fallback: other bits). A plain
+    `python train.py` runs at torch's default (every core, or the user's OMP_NUM_THREADS); torchrun starts each
+    rank at OMP_NUM_THREADS=1 when none is set. Under the ordered reduce a rank runs at what a plain process
+    would: the user's value, or every core where the value is torchrun's 1 (an explicit OMP_NUM_THREADS=1 reads
+    the same: ranks then run at every core)."""
+    if world <= 1 or not ordered:
+        return None
+    given = env.get("OMP_NUM_THREADS")
+    return int(given) if given and given != "1" else cores
+
+
+def pin_threads(ordered: bool) -> int:
+    """Set this process's intra-op threads by `trainer_threads` (before any math) -> the count it runs at."""
+    n = trainer_threads(dict(os.environ), len(os.sched_getaffinity(0)), world_size(), ordered)
+    if n is not None and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
 
 
 def close() -> None:
@@ -209,37 +233,58 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
 # --- the trainer's data parallelism --------------------------------------------------------------------------
 
 
+def micro_batches(
+    start: int, stop: int, mb: int, world: int, rank: int, ordered: bool
+) -> list[tuple[tuple, slice]]:
+    """Rank `rank`'s (key, rows) of the rows [start, stop). ordered: one process's micro-batches of `mb` rows,
+    micro-batch k on rank k mod world (a rank may hold none); else a contiguous 1/world share per rank,
+    micro-batched locally. Keys order the micro-batches globally."""
+    if ordered:
+        cuts = [((k,), slice(lo, min(lo + mb, stop))) for k, lo in enumerate(range(start, stop, mb))]
+        return [c for c in cuts if c[0][0] % world == rank]
+    n = stop - start
+    lo, hi = start + n * rank // world, start + n * (rank + 1) // world
+    return [((rank, k), slice(a, min(a + mb, hi))) for k, a in enumerate(range(lo, hi, mb))]
+
+
 class DataParallel:
     """How `update()` spreads one mini-batch's micro-batches over ranks and reduces their gradients.
 
     world 1: every micro-batch here, autograd accumulates them, `clip_grad_norm_`: the single-process path.
-    ordered (determinism=on, world W > 1): the mini-batch is cut into the same virtual micro-batches as on one
-      process (`micro_batch_size` sequences, whatever W is); micro-batch k runs on rank k mod W. Each
-      micro-batch's gradient is kept apart (fp32), all are all-gathered, and every rank sums them in k order:
-      g_0 + g_1 + ... is what one process's accumulation computes, in the same order, so the gradient, its norm
-      (taken over the full gradient, as one process does) and the AdamW step on the shards are the same bits for
-      any W. Gradients are summed, not averaged, so the loss carries no dp_size. Cost: each rank receives every
-      micro-batch's gradient (K x params), not one reduced copy; parallelism = micro-batches per mini-batch.
+    ordered (determinism=on, world W > 1): the mini-batch is cut into one process's micro-batches
+      (`micro_batch_size` sequences, whatever W is), run in rounds of W: micro-batch k on rank k mod W. After
+      each round an all-to-all sends shard j (FSDP2's dim-0 shard of every parameter) of each rank's gradient to
+      rank j, which adds them to its fp32 accumulator in k order: g_0 + g_1 + ... is one process's
+      accumulation, in the same order, so the gradient shards, the norm (each parameter's norm taken over its
+      whole gradient, gathered one parameter at a time, as one process takes it) and the AdamW step are the same
+      bits for any W. Memory beyond the micro-batch's own gradient: the accumulator and one round's receive
+      buffer (params / W each); traffic: about a reduce-scatter's per round, plus one all-gather for the norm.
+      Gradients are summed, not averaged, so the loss carries no dp_size.
     averaged (off, W > 1): verl / FSDP data parallelism: rank r trains a contiguous 1/W of each mini-batch in its
       own micro-batches, the loss is scaled by dp_size = W with the mini-batch's global denominators
-      (verl's agg_loss global batch info), gradients are all-reduced (summed, in whatever order the backend
-      sums) and divided by W.
+      (verl's agg_loss global batch info), gradients are reduce-scattered (summed, in whatever order the
+      backend sums) and divided by W.
     """
 
     def __init__(self, model, ordered: bool):
         self.world, self.rank, self.ordered = world_size(), rank(), ordered
         self.sharded = list(model.parameters())  # FSDP2: the DTensor shards the optimizer holds
         self.loss_scale = self.world if (self.world > 1 and not ordered) else 1  # verl's dp_size
-        self._stash: list[tuple[tuple, torch.Tensor]] = []
+        self._acc: list[torch.Tensor] | None = None  # ordered: this rank's shards of the mini-batch's grads
+        self._rows = [_shard_rows(p.shape[0], self.world) for p in self.sharded]
 
     def micro_batches(self, start: int, stop: int, mb: int) -> list[tuple[tuple, slice]]:
         """This rank's (key, rows) of the mini-batch rows [start, stop); keys order micro-batches globally."""
-        if self.world == 1 or self.ordered:
-            cuts = [((k,), slice(lo, min(lo + mb, stop))) for k, lo in enumerate(range(start, stop, mb))]
-            return [c for c in cuts if c[0][0] % self.world == self.rank]
-        n = stop - start  # averaged: a contiguous share per rank, micro-batched locally
-        lo, hi = start + n * self.rank // self.world, start + n * (self.rank + 1) // self.world
-        return [((self.rank, k), slice(a, min(a + mb, hi))) for k, a in enumerate(range(lo, hi, mb))]
+        return micro_batches(start, stop, mb, self.world, self.rank, self.ordered or self.world == 1)
+
+    def rounds(self, start: int, stop: int, mb: int) -> list[tuple[tuple, slice] | None]:
+        """This rank's (key, rows) of the mini-batch rows [start, stop), one per round; ordered with W > 1:
+        every rank the same number of rounds, None where it holds no micro-batch of a round."""
+        mine = self.micro_batches(start, stop, mb)
+        if self.world == 1 or not self.ordered:
+            return mine
+        n_rounds = -(-len(range(start, stop, mb)) // self.world)
+        return mine + [None] * (n_rounds - len(mine))
 
     def gather_rows(self, tensors: list[torch.Tensor | None], mine: list[slice]) -> list[torch.Tensor | None]:
         """Rows each rank computed (its `mine` slices), assembled on every rank (a copy: the same bits)."""
@@ -266,13 +311,35 @@ class DataParallel:
             return [r for _, r in records]
         return [r for _, r in sorted(x for rs in all_gather_object(records) for x in rs)]
 
-    def after_backward(self, model, key: tuple) -> None:
-        """ordered: set this micro-batch's gradient apart (the next backward starts from none)."""
+    def after_backward(self, model, trained: bool) -> None:
+        """Ordered, once per round on every rank (collective): each rank's gradient of the round sent shard by
+        shard to its owner (one all-to-all per parameter), added there in micro-batch order; the next backward
+        starts from none."""
         if self.world == 1 or not self.ordered:
             return
         params = list(model.parameters())  # the unsharded ones (between `unshard` and `reshard`)
-        self._stash.append((key, _flat_grads(params)))
-        for p in params:
+        flags = torch.zeros(self.world, dtype=torch.int32)
+        flags[self.rank] = int(trained)
+        dist.all_reduce(flags)  # which ranks have a gradient this round
+        senders = int(flags.sum())
+        if not senders:
+            return
+        first, self._acc = self._acc is None, self._acc or [None] * len(params)
+        for i, p in enumerate(params):
+            mine = self._numel(i, self.rank)
+            g = (p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1)
+            recv = torch.empty(mine * senders, device=g.device)
+            dist.all_to_all_single(
+                recv,
+                g if trained else g[:0],  # dim-0 shards are contiguous: rank j's is the j-th run of elements
+                output_split_sizes=[mine * int(f) for f in flags],
+                input_split_sizes=[self._numel(i, j) * trained for j in range(self.world)],
+            )
+            for k, part in enumerate(recv.view(senders, mine)):  # senders in rank order = micro-batch order
+                if first and k == 0:
+                    self._acc[i] = part.clone()
+                else:
+                    self._acc[i] += part
             p.grad = None
 
     def reduce(self, model, max_norm: float) -> float:
@@ -281,41 +348,59 @@ class DataParallel:
             return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         live = list(model.parameters())
         if self.ordered:
-            stash, self._stash = self._stash, []
-            keys = all_gather_object([k for k, _ in stash])
-            kmax = max(len(ks) for ks in keys)
-            if kmax == 0:  # no token in the mini-batch: no gradient (as one process: grads stay None)
+            flat, self._acc = self._acc, None
+            if flat is None:  # no token in the mini-batch: no gradient (as one process: grads stay None)
                 for p in self.sharded:
                     p.grad = None
                 return 0.0
-            size = sum(p.numel() for p in live)
-            local = torch.zeros(kmax, size, device=live[0].device)
-            for i, (_, g) in enumerate(stash):
-                local[i] = g
-            parts = [torch.empty_like(local) for _ in range(self.world)]
-            dist.all_gather(parts, local)
-            order = sorted((k, r, i) for r, ks in enumerate(keys) for i, k in enumerate(ks))
-            flat = parts[order[0][1]][order[0][2]].clone()
-            for _, r, i in order[1:]:  # global micro-batch order: one process's accumulation order
-                flat += parts[r][i]
         else:
-            flat = _flat_grads(live)
-            dist.all_reduce(flat)
-            flat /= self.world
+            flat = [self._reduce_scatter(i, p) for i, p in enumerate(live)]
         for p in live:
             p.grad = None
-        full = [g.view_as(p).to(p.dtype) for g, p in zip(flat.split([p.numel() for p in live]), live)]
-        # clip_grad_norm_'s own two halves, on the full gradient (its norm as one process takes it)
-        total = torch.nn.utils.get_total_norm(full, 2.0)
-        torch._foreach_mul_(full, torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        from torch.distributed.tensor import distribute_tensor
+        local = [g.view(-1, *p.shape[1:]) for g, p in zip(flat, live)]
+        total = self._norm(local, live)
+        torch._foreach_mul_(local, torch.clamp(max_norm / (total + 1e-6), max=1.0))  # clip_grad_norm_'s own
+        from torch.distributed.tensor import DTensor
 
-        for p, g in zip(self.sharded, full):  # this rank's shard of each (a local slice, no communication)
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+        for p, g in zip(self.sharded, local):
+            p.grad = DTensor.from_local(
+                g.to(p.dtype), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
         return float(total)
 
+    def _reduce_scatter(self, i: int, p: torch.Tensor) -> torch.Tensor:
+        """off: this rank's shard of parameter i's gradient summed over ranks, / W (padded to equal shards)."""
+        pad = self._numel(i, 0)
+        g = (p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1)
+        out = torch.empty(pad, device=g.device)
+        dist.reduce_scatter_tensor(out, torch.nn.functional.pad(g, (0, pad * self.world - g.numel())))
+        return out[: self._numel(i, self.rank)] / self.world
 
-def _flat_grads(params: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(
-        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
-    )
+    def _norm(self, local: list[torch.Tensor], live: list[torch.Tensor]) -> torch.Tensor:
+        """The gradient's 2-norm as one process's clip_grad_norm_ takes it: each parameter's norm over its whole
+        gradient (ordered: gathered one parameter at a time), then the norm of those norms. off: from the
+        shards' sums of squares."""
+        if not self.ordered:
+            sq = torch.stack([g.pow(2).sum() for g in local]).sum()
+            dist.all_reduce(sq)
+            return sq.sqrt()
+        norms = []
+        for i, (g, p) in enumerate(zip(local, live)):
+            pad = self._numel(i, 0)
+            parts = [torch.empty(pad, device=g.device) for _ in range(self.world)]
+            dist.all_gather(parts, torch.nn.functional.pad(g.reshape(-1), (0, pad - g.numel())))
+            full = torch.cat([t[: self._numel(i, r)] for r, t in enumerate(parts)]).view_as(p).to(p.dtype)
+            norms.extend(torch._foreach_norm([full], 2.0))  # clip_grad_norm_'s per-tensor norm
+            del full, parts
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+    def _numel(self, i: int, r: int) -> int:
+        """Elements of parameter i's shard on rank r (FSDP2: dim 0 cut in ceil(d0 / W)-row chunks)."""
+        lo, hi = self._rows[i][r]
+        return (hi - lo) * math.prod(self.sharded[i].shape[1:])
+
+
+def _shard_rows(d0: int, world: int) -> list[tuple[int, int]]:
+    """[lo, hi) rows of each rank's dim-0 shard (torch.chunk's cut, as FSDP2's Shard(0); trailing ranks empty)."""
+    c = -(-d0 // world)
+    return [(min(r * c, d0), min((r + 1) * c, d0)) for r in range(world)]

@@ -7,7 +7,6 @@ Read top to bottom in `train`. The math lives in `detrl.algos`; what determinism
 from __future__ import annotations
 
 import atexit
-import contextlib
 import copy
 import dataclasses
 import json
@@ -19,21 +18,11 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from detrl import checkpoint, distributed, plan
+from detrl import actor, checkpoint, distributed, plan
 from detrl import determinism as det_mod
-from detrl.algos import (
-    POLICY_LOSSES,
-    agg_loss,
-    kl_penalty,
-    lr_ratio,
-    old_logprobs,
-    warmup_steps,
-)
+from detrl.actor import ActorSpec
+from detrl.algos import lr_ratio, warmup_steps
 from detrl.algos.advantages import StepAdvantages
-from detrl.algos.core import masked_mean
-from detrl.algos.policy_loss import micro_batch_seed
-from detrl.algos.rollout_correction import rollout_correction
-from detrl.algos.routing import layer_agreement
 from detrl.collect import GroupSource, StepBatch, collect, collect_partial
 from detrl.config import ConfigError, TrainConfig
 from detrl.data import build_task, stop_token_ids, tokenizer_for
@@ -44,7 +33,6 @@ from detrl.loss_scale import LossScaler
 from detrl.models import preflight
 from detrl.models.build import build_model, checkpoint_architecture
 from detrl.models.forward import rope_tables
-from detrl.models.logprobs import sequence_logprobs
 from detrl.rollout import EmbeddedEngine, SamplingParams
 from detrl.rollout.partial import PartialBuffer
 from detrl.rollout.ranks import RankEngine
@@ -92,223 +80,11 @@ def update(
     dp: distributed.DataParallel | None = None,
     scaler: LossScaler | None = None,
 ):
-    """PPO-style update of one rollout batch, as verl's actor (compute_log_prob, then update_policy). -> metrics.
-
-    1. Old logprobs: one no-grad pass of the policy before any update (verl's old_log_prob), with the
-       reference's and the entropy. Stale partial-rollout tokens get theirs from `old_logprobs`.
-       `algo.old_logprobs=current` (one epoch of one mini-batch: the same weights) skips the policy's pass and takes
-       each micro-batch's gradient-pass logprobs, detached, as TRL does: ratio 1, one forward less.
-    2. `algo.ppo_epochs` passes over `algo.ppo_mini_batch_size`-prompt mini-batches, in batch order; each
-       mini-batch is one optimizer step, its gradient accumulated over `micro_batch_size`-sequence
-       micro-batches with the mini-batch's denominators (verl's global batch info).
-    `adv`: advantages [N] or [N, L-1], or a callable (old, ref logprobs) -> [N, L-1] called once both are
-    known (`StepAdvantages`: KL in the reward). `algo.policy_loss` picks the loss (`POLICY_LOSSES`).
-    Three policies: behaviour (the engine's rollout logprobs), old (1.), current (the grad pass). The clip
-    ratio is current / old; `mismatch/*` compares old with behaviour on the tokens the current weights
-    sampled (the same weights in two engines: 0 is true on-policy); pg_clipfrac / ppo_kl are token means
-    over each mini-batch, averaged over the step's mini-batches (ppo_kl is 0 on the first one unless old
-    and current differ, e.g. keep-mode stale tokens).
-    Under torchrun, `dp` (`detrl.distributed.DataParallel`) says which micro-batches this rank runs, gathers
-    their rows / metrics and reduces the gradients; without it, every micro-batch runs here.
-    MoE with recorded routing: `mismatch/router_agreement` compares the old pass's own top-k ids with the engine's
-    (with replay, each layer's own choice given the replayed layers below);
-    `algo.routing_replay` makes the old and gradient passes use the engine's ids on the response tokens.
-    `scaler` (`detrl.loss_scale`): dynamic loss scaling of a float16 compute copy; a no-op otherwise.
-    """
-    a, temp, mb = cfg.algo, cfg.rollout.temperature, cfg.micro_batch_size
-    dp = dp or distributed.DataParallel(model, ordered=True)
-    scaler = scaler or LossScaler(torch.float32, batch.mask.device)  # disabled: float32 / bfloat16
-    n = batch.input_ids.shape[0]
-    fresh = (batch.versions == version).float() * batch.mask  # tokens sampled by the current weights
-    # --- 1. old (and reference) logprobs, before the first update
-    old_trainer, ref_logp = torch.zeros_like(batch.mask), None
-    ent = torch.zeros_like(batch.mask)
-    recorded = batch.routed_experts  # [N, L-1, layers, k] or None
-    agree = (
-        None if recorded is None else torch.zeros_like(batch.mask)
-    )  # per token: fraction of layers agreeing
-
-    def replayed(sl):  # the expert ids the trainer's passes must use (routing replay), or None
-        return recorded[sl].long() if a.routing_replay else None
-
-    reuse = a.old_logprobs == "current"
-    stale_mode = cfg.rollout.partial.stale_tokens
-    mine = [sl for _, sl in dp.micro_batches(0, n, mb)]
-    with torch.no_grad(), distributed.unsharded(model, ref_model):
-        if ref_model is not None:
-            ref_logp = torch.zeros_like(batch.mask)
-        for sl in mine:
-            ids, mask = batch.input_ids[sl], batch.mask[sl]
-            if not reuse:
-                out = sequence_logprobs(
-                    model,
-                    ids,
-                    mask,
-                    ops,
-                    ctx_len,
-                    rope,
-                    temp,
-                    entropy=True,
-                    experts=replayed(sl),
-                    routes=agree is not None,
-                )  # the router's own ids only when there are some
-                old_trainer[sl], ent[sl] = out[:2]
-                if agree is not None:
-                    agree[sl] = layer_agreement(out[2], recorded[sl])
-            if ref_model is not None:
-                ref_logp[sl], _ = sequence_logprobs(ref_model, ids, mask, ops, ctx_len, rope, temp)
-    if not reuse:
-        old_trainer, ent, agree = dp.gather_rows([old_trainer, ent, agree], mine)
-    ref_logp = dp.gather_rows([ref_logp], mine)[0]
-    old, train_mask = old_logprobs(
-        stale_mode, old_trainer, batch.rollout_logp, fresh, batch.mask
-    )  # reuse: per micro-batch
-    adv = adv(old, ref_logp) if callable(adv) else adv  # KL in the reward needs old and ref first
-    adv = adv if adv.dim() == 2 else adv[:, None].expand_as(batch.mask)
-    policy_loss = POLICY_LOSSES.get_fn(a.policy_loss)
-    # trainer/rollout mismatch correction (TIS / MIS weights on the policy loss; rollout_rs rejects tokens from the
-    # loss mask and its denominators); ones and the same mask under determinism=on
-    corr_w, train_mask, corr_metrics = rollout_correction(
-        old, batch.rollout_logp, train_mask, a.rollout_correction, **vars(a.rollout_corr)
-    )
-    # --- 2. mini-batches x epochs, one optimizer step each
-    per_mini = (a.ppo_mini_batch_size or cfg.train_batch_size) * cfg.rollout.n
-    lsf = a.loss_scale_factor or cfg.rollout.max_new_tokens
-    per_step: dict[str, list[float]] = {
-        k: [] for k in ("pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "grad_norm")
-    }
-    for _ in range(a.ppo_epochs):
-        for start in range(0, n, per_mini):
-            stop = min(start + per_mini, n)
-            tokens = train_mask[start:stop].sum()
-            # global denominators (every rank holds the whole batch); dp_size as verl's agg_loss
-            agg = dict(
-                mode=a.loss_agg_mode,
-                batch_num_tokens=tokens,
-                global_batch_size=stop - start,
-                loss_scale_factor=lsf,
-                dp_size=dp.loss_scale,
-            )
-            sums = dict.fromkeys(["pg_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"], 0.0)
-            records = []  # per micro-batch (key, metrics), summed in global micro-batch order below
-            opt.zero_grad(set_to_none=True)
-            distributed.unshard(model)  # FSDP2: the full weights for the functional forward (else a no-op)
-            for key, sl in dp.micro_batches(start, stop, mb):
-                mask = train_mask[sl]
-                if (
-                    reuse
-                ):  # this micro-batch's old logprobs: its own, detached (the weights have not moved yet),
-                    # over every response token (metrics); without gradients where no token trains (as recompute)
-                    with contextlib.nullcontext() if mask.any() else torch.no_grad():
-                        out = sequence_logprobs(
-                            model,
-                            batch.input_ids[sl],
-                            batch.mask[sl],
-                            ops,
-                            ctx_len,
-                            rope,
-                            temp,
-                            entropy=True,
-                            experts=replayed(sl),
-                            routes=agree is not None,
-                        )
-                    logp, ent_g = out[:2]
-                    old_trainer[sl], ent[sl] = logp.detach(), ent_g.detach()
-                    if agree is not None:
-                        agree[sl] = layer_agreement(out[2], recorded[sl])
-                    old[sl] = old_logprobs(
-                        stale_mode, old_trainer[sl], batch.rollout_logp[sl], fresh[sl], batch.mask[sl]
-                    )[0]
-                if not mask.any():
-                    continue
-                if not reuse:
-                    logp, ent_g = sequence_logprobs(
-                        model,
-                        batch.input_ids[sl],
-                        mask,
-                        ops,
-                        ctx_len,
-                        rope,
-                        temp,
-                        entropy=bool(a.entropy_coeff),
-                        experts=replayed(sl),
-                    )
-                seed = micro_batch_seed(cfg.seed, version, sl.start)  # a loss's own draws (clip_cov)
-                pg, m = policy_loss(logp, old[sl], adv[sl], mask, a, seed=seed)
-                pg = (
-                    pg * corr_w[sl]
-                )  # MIS's dropped tokens weigh 0 and still count in the denominators (IcePop)
-                loss = agg_loss(pg, mask, **agg)
-                rec = {"pg_loss": loss.item() / dp.loss_scale}
-                if ref_logp is not None and a.use_kl_loss:
-                    kl = agg_loss(kl_penalty(logp, ref_logp[sl], a.kl_loss_type), mask, **agg)
-                    loss = loss + a.kl_loss_coef * kl
-                    rec["kl_loss"] = kl.item() / dp.loss_scale
-                if a.entropy_coeff:
-                    loss = loss - a.entropy_coeff * agg_loss(ent_g, mask, **agg)
-                scaler.scale(loss).backward()
-                dp.after_backward(model, key)
-                share = (mask.sum() / tokens).item()
-                records.append(
-                    (
-                        key,
-                        {
-                            **rec,
-                            **{
-                                k: m[k].item() * share for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
-                            },
-                        },
-                    )
-                )
-            scaler.unscale(opt)  # float16: the true gradients before clipping
-            grad_norm = dp.reduce(model, cfg.grad_clip)  # this rank's gradient shards, clipped
-            if reuse:
-                old_trainer, ent, agree = dp.gather_rows([old_trainer, ent, agree], mine)
-            distributed.reshard(model)
-            for rec in dp.gather_records(records):
-                for k, v in rec.items():
-                    sums[k] += v
-            scaler.step(opt)  # opt.step(); float16: skipped when a gradient is inf / NaN
-            for k, v in sums.items():
-                per_step[k].append(v)
-            per_step["grad_norm"].append(float(grad_norm))
-    opt.zero_grad(set_to_none=True)
-    if (
-        reuse
-    ):  # the correction's diagnostics, now that every old logprob is known (its weights were ones: none)
-        old = old_logprobs(stale_mode, old_trainer, batch.rollout_logp, fresh, batch.mask)[0]
-        corr_metrics = rollout_correction(
-            old, batch.rollout_logp, train_mask, a.rollout_correction, **vars(a.rollout_corr)
-        )[2]
-    # --- mismatch: the trainer's old logprobs vs the engine's, same weights (fresh tokens)
-    f = fresh > 0
-    d = (old_trainer - batch.rollout_logp)[f]
-    pd = (old_trainer.exp() - batch.rollout_logp.exp())[f].abs()
-    stale = (batch.mask > 0) & ~f
-    lag = (old_trainer - batch.rollout_logp)[stale].abs()
-
-    def mean(x):
-        return x.mean().item() if x.numel() else 0.0
-
-    def top(x):
-        return x.max().item() if x.numel() else 0.0
-
-    return {
-        **{f"actor/{k}": sum(v) / len(v) for k, v in per_step.items()},
-        "actor/entropy": masked_mean(ent, batch.mask).item(),
-        "actor/lr": opt.param_groups[0]["lr"],
-        "actor/optimizer_steps": float(len(per_step["grad_norm"])),
-        "actor/loss_token_frac": (train_mask.sum() / batch.mask.sum().clamp_min(1.0)).item(),
-        "mismatch/train_rollout_logprob_abs_diff": mean(d.abs()),
-        "mismatch/train_rollout_logprob_abs_diff_max": top(d.abs()),
-        "mismatch/k3_kl": mean(torch.expm1(-d) + d),  # k3 of the rollout policy against the trainer's
-        "mismatch/max_prob_diff": top(pd),
-        "mismatch/stale_logprob_abs_diff": mean(lag),  # stale tokens: policy lag + engine mismatch
-        **{k: float(v) for k, v in corr_metrics.items()},
-        # fraction of fresh response (token, layer) slots where the trainer's top-k set is the engine's
-        **({} if agree is None else {"mismatch/router_agreement": mean(agree[f])}),
-        **scaler.metrics(),
-    }
+    """`detrl.actor.update` for callers holding a TrainConfig (tests, benchmarks): the spec built from it, and
+    one process's DataParallel unless one is given. `train` builds its spec once and calls the actor."""
+    dp = dp if dp is not None else distributed.DataParallel(model, ordered=True)
+    spec = ActorSpec.from_config(cfg)
+    return actor.update(model, ref_model, opt, batch, adv, spec, ops, ctx_len, rope, version, dp, scaler)
 
 
 def layer_fingerprints(model, cfg: TrainConfig, step: int) -> dict[str, str]:
@@ -476,6 +252,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     run_dir = Path(run_dir)
     config = dataclasses.asdict(cfg)
     world = distributed.init()  # torchrun: join the process group (WORLD_SIZE > 1); else one process, as ever
+    threads = distributed.pin_threads(cfg.determinism.reduce == "ordered")  # a plain process's, on every rank
     distributed.check_supported(cfg)
     # --- a resume is checked before anything is written
     ckpt = checkpoint.resolve(cfg.resume, run_dir)
@@ -494,7 +271,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     model.train()
     rope = rope_tables(model.config, ctx_len, det.device, det.dtype)
     # determinism=on: batch invariance proven on this device, dtype and model before step 0 (fail-closed)
-    numerics = preflight.numerics_contract(det, model, ctx_len, rope)
+    numerics = {**preflight.numerics_contract(det, model, ctx_len, rope), "threads": threads}
     if distributed.is_main():
         (run_dir / "numerics.json").write_text(json.dumps(numerics, indent=1))
     engine = make_engine(cfg, model, det, ctx_len, sampling, tokenizer, run_dir)
@@ -503,6 +280,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
         engine = RankEngine(engine, det)
     dp = distributed.DataParallel(model, ordered=det.ordered_reduce)
     scaler = LossScaler(det.dtype, det.device)  # float16: dynamic loss scaling; else a no-op
+    spec = ActorSpec.from_config(cfg)  # what the update reads of the config
     # fused: one kernel for all parameters (0.22 vs 1.09 ms per step on the default model)
     o = cfg.optim
     opt = torch.optim.AdamW(
@@ -564,13 +342,13 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
                 g["lr"] = cfg.lr * lr_ratio(
                     step - 1, cfg.steps, warmup, o.lr_scheduler_type, o.min_lr_ratio, o.num_cycles
                 )
-            metrics = update(
+            metrics = actor.update(
                 model,
                 ref_model,
                 opt,
                 batch,
                 step_adv,
-                cfg,
+                spec,
                 det.ops,
                 ctx_len,
                 rope,
