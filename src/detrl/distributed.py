@@ -28,6 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+# What this module does with memory, for the planner (detrl.plan.Layout's fields; the rest as its TODAY): the
+# ordered reduce keeps an fp32 accumulator shard and one parameter's all-to-all buffers, not every micro-batch's
+# full gradient; unshard still gathers the whole fp32 model at once
+PLAN_LAYOUT = {"reduce": "shard"}
+
 
 def _from_slurm() -> None:
     """A SLURM task started without torchrun (e.g. Hydra's submitit launcher with tasks_per_node > 1): torchrun's
