@@ -253,8 +253,7 @@ def save(
         "rng": _rng(engine_generator),
     }
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-    torch.save(payload, tmp / "state.pt")
-    write_manifest(tmp)
+    _write(payload, tmp, state.step)
     final = root / f"step-{state.step:06d}"
     if final.exists():
         shutil.rmtree(final)
@@ -262,6 +261,21 @@ def save(
     for old in sorted(root.glob("step-*"))[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write(payload: dict, tmp: Path, step: int) -> None:
+    """state.pt and its manifest into `tmp`; a failed write (a full disk: torch's "unexpected pos") removes
+    `tmp` and stops the run in one line, the previous checkpoint intact."""
+    try:
+        torch.save(payload, tmp / "state.pt")
+        write_manifest(tmp)
+    except (RuntimeError, OSError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = " ".join(str(e).split())[:200]
+        raise ConfigError(
+            f"checkpoint of step {step} not written (disk full?): {why}; the previous checkpoint is intact: "
+            "free space, then resume=auto"
+        ) from None
 
 
 def resolve(resume: str | None, run_dir: Path) -> Path | None:

@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from detrl import checkpoint, distributed
+from detrl import checkpoint, distributed, guards
 from detrl import determinism as det_mod
 from detrl.algos import (
     ADV_ESTIMATORS,
@@ -257,7 +257,7 @@ def update(
             for rec in dp.gather_records(records):
                 for k, v in rec.items():
                     sums[k] += v
-            opt.step()
+            guards.finite_step(opt, grad_norm, cfg.optim.max_nonfinite_grad_steps)  # NaN / inf norm: skipped
             for k, v in sums.items():
                 per_step[k].append(v)
             per_step["grad_norm"].append(float(grad_norm))
@@ -287,6 +287,7 @@ def update(
         "actor/entropy": masked_mean(ent, batch.mask).item(),
         "actor/lr": opt.param_groups[0]["lr"],
         "actor/optimizer_steps": float(len(per_step["grad_norm"])),
+        "actor/nonfinite_grad_steps": guards.pop_nonfinite(opt),
         "actor/loss_token_frac": (train_mask.sum() / batch.mask.sum().clamp_min(1.0)).item(),
         "mismatch/train_rollout_logprob_abs_diff": mean(d.abs()),
         "mismatch/train_rollout_logprob_abs_diff_max": top(d.abs()),

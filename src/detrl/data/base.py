@@ -238,13 +238,28 @@ def column(ds, name: str, key: str, path: str) -> list[Any]:
     head, *rest = name.split(".")
     if head not in ds.column_names:
         raise DataError(f"{key}={name!r}: no such column in {path!r} (columns: {sorted(ds.column_names)})")
-    values = ds[head]
+    try:
+        values = list(ds[head])  # a lazy column in recent datasets: decode here
+    except UnicodeDecodeError as e:  # the file's bytes are not UTF-8: name the first row that fails
+        row = next((i for i in range(len(ds)) if not _decodes(ds, i, head)), "?")
+        raise DataError(
+            f"{key}={name!r}: row {row} of {path!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
+            "re-encode the file as UTF-8"
+        ) from None
     for part in rest:
         try:
             values = [v[part] for v in values]
         except (KeyError, TypeError):
             raise DataError(f"{key}={name!r}: column {head!r} in {path!r} has no field {part!r}") from None
     return values
+
+
+def _decodes(ds, i: int, head: str) -> bool:
+    try:
+        ds[i][head]
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def split_eval(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
