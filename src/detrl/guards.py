@@ -5,12 +5,18 @@ silently wrong (an lr of inf writes NaN into the checkpoint, `rollout.n=1` makes
 as long as the run keeps the lr at 0) or crash with a traceback (a model with no layers). `finite_step` skips
 the optimizer step when the gradient norm is NaN or inf, as verl's actor does, counts it
 (`actor/nonfinite_grad_steps`), and stops the run in one line after `optim.max_nonfinite_grad_steps` in a row.
+`stop_on_signals` turns SIGINT / SIGTERM into a clean stop: the step's log and checkpoint are finished (a signal
+during them checkpoints that step), W&B is finished, and the entrypoint prints how to resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
+import signal
+import threading
 from typing import TYPE_CHECKING, Any
 
 from detrl.config import ConfigError, TrainConfig
@@ -135,3 +141,59 @@ def pop_nonfinite(opt: torch.optim.Optimizer) -> float:
     counts = opt.__dict__.setdefault("nonfinite_grad_steps", [0, 0])
     n, counts[0] = counts[0], 0
     return float(n)
+
+
+# --- SIGINT / SIGTERM: stop cleanly, resumable
+
+_SIGNALS = {"pid": None, "pending": None, "held": 0}
+
+
+class Interrupted(BaseException):  # noqa: N818 - as KeyboardInterrupt: no `except Exception` swallows it
+    """SIGINT or SIGTERM reached the run (raised at once, or at the end of a held section)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+
+def _on_signal(signum, frame) -> None:
+    if os.getpid() != _SIGNALS["pid"] or _SIGNALS["pending"] is not None:
+        return  # a forked engine worker (its parent decides), or already stopping: let the cleanup finish
+    _SIGNALS["pending"] = signum
+    if not _SIGNALS["held"]:
+        raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Within: SIGINT and SIGTERM raise `Interrupted` in this process (the step in progress is dropped; the
+    `finally` blocks close the engine and finish W&B), or wait for the end of a `hold_signals` section. Later
+    signals are ignored while it stops. Forked workers inherit the handler and ignore them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _SIGNALS.update(pid=os.getpid(), pending=None, held=0)
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _SIGNALS.update(pid=None, pending=None, held=0)
+
+
+class hold_signals:  # noqa: N801 - used as a function
+    """A section a signal must not cut (a step's log and checkpoint): one that arrives waits for `release()`,
+    and `requested` tells the section to checkpoint before it ends."""
+
+    def __init__(self):
+        _SIGNALS["held"] += 1
+
+    @property
+    def requested(self) -> bool:
+        return _SIGNALS["pending"] is not None
+
+    def release(self) -> None:
+        _SIGNALS["held"] = max(0, _SIGNALS["held"] - 1)
+        if _SIGNALS["pending"] is not None and not _SIGNALS["held"] and _SIGNALS["pid"] == os.getpid():
+            raise Interrupted(_SIGNALS["pending"])

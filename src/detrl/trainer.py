@@ -563,15 +563,18 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             metrics["timing_s/step"] = time.perf_counter() - t0
             metrics["perf/throughput"] = float(batch.mask.sum()) / metrics["timing_s/step"]
             metrics.update(evaluator.step(step, engine))
+            held = guards.hold_signals()  # SIGINT / SIGTERM wait for this step's log and checkpoint
             tracker.log(step, metrics)
             curve.append(metrics["critic/score/mean"])
             bar.set_postfix(reward=f"{curve[-1]:.3f}", step_s=f"{metrics['timing_s/step']:.2f}")
             # --- checkpoint
             state.step, state.data_pos = step, data_pos
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
+            due = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps
+            if due or held.requested:
                 checkpoint.save(
                     run_dir, state, model, opt, ref_model, engine.generator, config, cfg.checkpoint.keep_last
                 )
+            held.release()  # a signal that came: stop here (guards.Interrupted), this step checkpointed
         if cfg.checkpoint.save_final:
             final, weights = run_dir / "checkpoint-final", distributed.full_state_dict(model)
             if distributed.is_main():
