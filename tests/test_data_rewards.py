@@ -114,14 +114,14 @@ def _warm(task):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_reward_that_raises_hangs_or_swallows_the_timeout_scores_zero_and_is_counted(workers):
     task = _Flaky(["q"], ["a"])
-    task.reward_workers = workers
+    task.reward_workers, task.reward_timeout_s = workers, 1.0
     try:
         _warm(task)
         t0 = time.perf_counter()
         texts = ["a", "raise", "hang", "b", "swallow", "a"]
         assert task.score_texts(texts, "a") == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
-        # two deadlines of 0.2 s and at most a spare process's start, not 5 s + 20 s
-        assert time.perf_counter() - t0 < 6.0
+        # two deadlines of 1 s and at most a spare process's start, not 5 s + 20 s
+        assert time.perf_counter() - t0 < 8.0
         assert task.pop_errors() == 3 and task.pop_errors() == 0
         assert len(task._scorer.workers) == max(1, workers) and task._scorer.killed == 2
     finally:
@@ -131,7 +131,7 @@ def test_a_reward_that_raises_hangs_or_swallows_the_timeout_scores_zero_and_is_c
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_response_that_kills_its_worker_scores_zero_and_is_not_rerun_here(workers):
     task = _Flaky(["q"], ["a"])
-    task.reward_workers = workers
+    task.reward_workers, task.reward_timeout_s = workers, 5.0  # no deadline in play: a loaded machine is slow
     try:
         assert task.score_texts(["a", "die", "b", "a", "die"], "a") == [1.0, 0.0, 0.0, 1.0, 0.0]
         assert task.pop_errors() == 2 and task._scorer.killed == 2
@@ -155,7 +155,8 @@ def test_math_verify_hang_inputs_end_at_the_timeout_and_count_as_errors(workers)
         for text in HANGS:
             t0 = time.perf_counter()
             assert task.score_texts([text, "$\\boxed{3}$"], "3") == [0.0, 1.0]
-            assert time.perf_counter() - t0 < 2.0 + 3.0, text  # the timeout plus a margin (2 shared cores)
+            # the timeout plus a margin: a replacement process may still be starting on a loaded machine
+            assert time.perf_counter() - t0 < 2.0 + 8.0, text
             assert task.pop_errors() == 1
     finally:
         task.close()

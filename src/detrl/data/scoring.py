@@ -47,7 +47,8 @@ class _Worker:
         self.proc = ctx.Process(target=_serve, args=(child, task_bytes), daemon=True)
         self.proc.start()
         child.close()
-        self.ready, self.job, self.since = False, None, time.monotonic()
+        # jobs: sent, not answered (the first is running); since: when it started (or, until ready, the spawn)
+        self.ready, self.jobs, self.since = False, deque(), time.monotonic()
 
     def kill(self) -> None:
         self.proc.kill()
@@ -59,6 +60,8 @@ class ScoringPool:
     """`size` scoring processes holding a pickled copy of a task; `score` returns what `task.score_unbounded`
     would, with samples past the deadline or whose process died as (0.0, True)."""
 
+    DEPTH = 4  # samples sent ahead to a process, so it does not wait for this one to wake up between samples
+
     def __init__(self, task, size: int, timeout_s: float):
         self._ctx = mp.get_context("spawn")  # not forked: the trainer may hold CUDA and engine workers
         self._task_bytes = pickle.dumps(task)
@@ -69,7 +72,10 @@ class ScoringPool:
         self.spare = _Worker(self._ctx, self._task_bytes)
         self.killed = 0  # processes killed at the deadline or found dead (each cost its sample)
 
-    def _replace(self, w: _Worker) -> None:
+    def _replace(self, w: _Worker, todo: deque) -> None:
+        """Kill `w` (its running sample has failed); the samples queued behind it, never started, go back."""
+        w.jobs.popleft()
+        todo.extendleft(reversed(w.jobs))
         w.kill()
         self.killed += 1
         self.workers[self.workers.index(w)], self.spare = self.spare, _Worker(self._ctx, self._task_bytes)
@@ -78,23 +84,30 @@ class ScoringPool:
         with self._lock:
             results: list[tuple[float, bool] | None] = [None] * len(texts)
             todo = deque(range(len(texts)))
-            while todo or any(w.job is not None for w in self.workers):
-                for w in self.workers:  # one sample per ready, idle process
-                    if w.ready and w.job is None and todo:
-                        w.job, w.since = todo.popleft(), time.monotonic()
-                        w.conn.send((texts[w.job], answer))
-                self._wait(results)
+            while todo or any(w.jobs for w in self.workers):
+                for w in self.workers:
+                    while w.ready and len(w.jobs) < self.DEPTH and todo:
+                        if not w.jobs:
+                            w.since = time.monotonic()
+                        w.jobs.append(todo.popleft())
+                        try:
+                            w.conn.send((texts[w.jobs[-1]], answer))
+                        except (
+                            OSError
+                        ):  # it died meanwhile (BrokenPipeError): `_wait` sees it, this job goes back
+                            break
+                self._wait(results, todo)
             return results  # type: ignore[return-value]
 
-    def _wait(self, results: list) -> None:
+    def _wait(self, results: list, todo: deque) -> None:
         """Wait for the next answer or deadline; record answers, failures and timeouts."""
         now, waits = time.monotonic(), []
         for w in self.workers:
-            limit = STARTUP_TIMEOUT_S if not w.ready else self.timeout_s if w.job is not None else 0
+            limit = STARTUP_TIMEOUT_S if not w.ready else self.timeout_s if w.jobs else 0
             if limit > 0:
                 waits.append(w.since + limit - now)
         timeout = max(0.0, min(waits)) if waits else None
-        answered = set(wait([w.conn for w in self.workers if not w.ready or w.job is not None], timeout))
+        answered = set(wait([w.conn for w in self.workers if not w.ready or w.jobs], timeout))
         for w in list(self.workers):
             if w.conn in answered:
                 try:
@@ -102,17 +115,17 @@ class ScoringPool:
                 except (EOFError, OSError):  # the process died: its sample fails, never re-run
                     if not w.ready:
                         raise RuntimeError("a reward process died while starting (see its stderr)") from None
-                    results[w.job] = FAILED
-                    self._replace(w)
+                    results[w.jobs[0]] = FAILED
+                    self._replace(w, todo)
                     continue
                 if not w.ready:
                     w.ready = True
                 else:
-                    results[w.job], w.job = msg, None
-            elif w.ready and w.job is not None and self.timeout_s > 0:
+                    results[w.jobs.popleft()], w.since = msg, time.monotonic()  # the next one starts now
+            elif w.ready and w.jobs and self.timeout_s > 0:
                 if time.monotonic() - w.since >= self.timeout_s:  # past the deadline: kill, do not wait
-                    results[w.job] = FAILED
-                    self._replace(w)
+                    results[w.jobs[0]] = FAILED
+                    self._replace(w, todo)
             elif not w.ready and time.monotonic() - w.since >= STARTUP_TIMEOUT_S:
                 raise RuntimeError(f"a reward process did not start within {STARTUP_TIMEOUT_S:.0f} s")
 
