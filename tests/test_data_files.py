@@ -20,7 +20,7 @@ class _Tok:  # enough of a tokenizer for row-level checks: one id per character
 
 
 def _task(tmp_path, *overrides):
-    return build_task(make_cfg("model.init=random", *overrides), _Tok())
+    return build_task(make_cfg("model.init=random", "model.max_position_embeddings=512", *overrides), _Tok())
 
 
 def test_gsm8k_parquet_and_jsonl_give_the_same_rows_and_a_seeded_split(tmp_path):

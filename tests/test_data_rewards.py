@@ -1,5 +1,8 @@
 """Reward extractors on tricky answers; a reward that raises or hangs scores 0 and is counted."""
 
+import os
+import signal
+import struct
 import time
 
 import pytest
@@ -91,52 +94,95 @@ class _Flaky(Task):
             raise RuntimeError("boom")
         if response == "hang":
             time.sleep(5)
+        if response == "swallow":  # as math-verify's parser: every exception (a SIGALRM's too) is caught
+            end = time.monotonic() + 20
+            while time.monotonic() < end:
+                try:
+                    time.sleep(0.05)
+                except BaseException:  # noqa: BLE001, S110
+                    pass
+        if response == "die":  # e.g. killed for memory: must never run in the trainer's process
+            os.kill(os.getpid(), signal.SIGKILL)
         return 1.0 if response == answer else 0.0
 
 
-def test_a_reward_that_raises_or_hangs_scores_zero_and_is_counted():
+def _warm(task):
+    task.score_texts(["a"], "a")  # start the scoring processes, so that timings below exclude their startup
+    task.pop_errors()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_reward_that_raises_hangs_or_swallows_the_timeout_scores_zero_and_is_counted(workers):
     task = _Flaky(["q"], ["a"])
-    t0 = time.perf_counter()
-    assert task.score_texts(["a", "raise", "hang", "b", "a"], "a") == [1.0, 0.0, 0.0, 0.0, 1.0]
-    assert time.perf_counter() - t0 < 2.0
-    assert task.pop_errors() == 2 and task.pop_errors() == 0
+    task.reward_workers, task.reward_timeout_s = workers, 1.0
+    try:
+        _warm(task)
+        t0 = time.perf_counter()
+        texts = ["a", "raise", "hang", "b", "swallow", "a"]
+        assert task.score_texts(texts, "a") == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+        # two deadlines of 1 s and at most a spare process's start, not 5 s + 20 s
+        assert time.perf_counter() - t0 < 8.0
+        assert task.pop_errors() == 3 and task.pop_errors() == 0
+        assert len(task._scorer.workers) == max(1, workers) and task._scorer.killed == 2
+    finally:
+        task.close()
 
 
-def test_reward_workers_score_the_same_and_count_failures_from_the_pool():
-    """data.reward_workers: the group is scored in spawned processes, each sample under its own timeout; the
-    scores and the error count are the in-process ones."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_response_that_kills_its_worker_scores_zero_and_is_not_rerun_here(workers):
     task = _Flaky(["q"], ["a"])
-    task.reward_workers = 2
-    texts = ["a", "raise", "hang", "b", "a", "hang"]
+    task.reward_workers, task.reward_timeout_s = workers, 5.0  # no deadline in play: a loaded machine is slow
     try:
-        assert task.score_texts(texts, "a") == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
-        assert task.pop_errors() == 3
-        assert task._executor is not None and len(task._executor._processes) == 2  # really in the pool
+        assert task.score_texts(["a", "die", "b", "a", "die"], "a") == [1.0, 0.0, 0.0, 1.0, 0.0]
+        assert task.pop_errors() == 2 and task._scorer.killed == 2
+        assert task.score_texts(["b", "a"], "a") == [0.0, 1.0]  # fresh processes took the dead ones' place
     finally:
-        task._executor.shutdown(cancel_futures=True)
-    rows = MathTask(["q"], ["\\frac{1}{2}"], reward_workers=2)
-    responses = ["$\\boxed{0.5}$", "$\\boxed{\\frac{2}{4}}$", "$\\boxed{3}$", "no answer"]
-    try:
-        assert rows.score_texts(responses, "\\frac{1}{2}") == [
-            math_reward(r, "\\frac{1}{2}") for r in responses
-        ]
-    finally:
-        rows._executor.shutdown(cancel_futures=True)
+        task.close()
 
 
-def test_the_reward_pool_is_closed_with_the_task_and_survives_a_dead_worker():
-    """close() stops the processes; a scoring process that dies makes that group score in-process (the same
-    scores) and the next group gets a new pool, instead of stopping the run."""
+HANGS = [  # each ran for minutes in math-verify with its own timeouts off and a SIGALRM in place
+    "$\\boxed{9^{9^{9^{9}}}}$",
+    "$\\boxed{(10^{10})!}$",
+    "$\\boxed{" + "(" * 300 + "1" + ")" * 300 + "}$",
+]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_math_verify_hang_inputs_end_at_the_timeout_and_count_as_errors(workers):
+    task = MathTask(["q"], ["3"], reward_timeout_s=2.0, reward_workers=workers)
+    try:
+        _warm(task)
+        for text in HANGS:
+            t0 = time.perf_counter()
+            assert task.score_texts([text, "$\\boxed{3}$"], "3") == [0.0, 1.0]
+            # the timeout plus a margin: a replacement process may still be starting on a loaded machine
+            assert time.perf_counter() - t0 < 2.0 + 8.0, text
+            assert task.pop_errors() == 1
+    finally:
+        task.close()
+
+
+def test_the_pool_scores_math_rows_bitwise_as_in_process():
+    responses = ["$\\boxed{0.5}$", "$\\boxed{\\frac{2}{4}}$", "$\\boxed{3}$", "no answer", "$x = \\frac12$"]
+    direct = MathTask(["q"], ["\\frac{1}{2}"], reward_timeout_s=0.0)
+    want = direct.score_texts(responses, "\\frac{1}{2}")
+    assert direct._scorer is None  # no timeout, no workers: scored here
+    for workers in (0, 2):
+        rows = MathTask(["q"], ["\\frac{1}{2}"], reward_workers=workers)
+        try:
+            got = rows.score_texts(responses, "\\frac{1}{2}")
+            assert [struct.pack("d", x) for x in got] == [struct.pack("d", x) for x in want]
+            assert rows.pop_errors() == 0
+        finally:
+            rows.close()
+
+
+def test_the_reward_pool_is_closed_with_the_task():
     task = _Flaky(["q"], ["a"])
     task.reward_workers = 2
     assert task.score_texts(["a", "b"], "a") == [1.0, 0.0]
-    procs = list(task._executor._processes.values())
-    procs[0].kill()
-    procs[0].join()
-    assert task.score_texts(["a", "b", "a"], "a") == [1.0, 0.0, 1.0]
-    assert task.score_texts(["b", "a"], "a") == [0.0, 1.0] and task._executor is not None
-    procs = list(task._executor._processes.values())
+    procs = [w.proc for w in task._scorer.workers]
     task.close()
-    for p in procs:
-        p.join(timeout=10)
-    assert task._executor is None and not any(p.is_alive() for p in procs)
+    assert task._scorer is None and not any(p.is_alive() for p in procs)
+    assert task.score_texts(["b", "a"], "a") == [0.0, 1.0]  # a new pool after close
+    task.close()

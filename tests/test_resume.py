@@ -128,7 +128,7 @@ def test_resume_from_a_path_without_checkpoints_names_it(tmp_path):
 
 def test_checkpoint_holds_every_rng_and_the_optimizer(tmp_path):
     run_tiny(tmp_path)
-    payload = torch.load(checkpoint.latest(tmp_path) / "state.pt", weights_only=False)
+    payload = torch.load(checkpoint.latest(tmp_path) / "state.pt", weights_only=True)
     assert set(payload["rng"]) == {"python", "numpy", "torch", "engine"}
     assert payload["optimizer"]["state"] and payload["run"]["step"] == 3 and payload["run"]["data_pos"] > 0
     assert payload["run"]["wandb_id"]

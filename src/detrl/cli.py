@@ -33,6 +33,20 @@ class ReportCommand(Callback):
         print(f"sweep done; its report: python -m detrl.report {config.hydra.sweep.dir}")
 
 
+def resume_hint(signame: str, run_dir: Path, overrides: list[str]) -> str:
+    """One line: what stopped the run, its last checkpoint, and the command that continues it.
+
+    >>> resume_hint("SIGTERM", Path("/r"), ["steps=9", "resume=auto"])
+    'stopped by SIGTERM (no checkpoint yet: resume=auto starts over); resume with: python train.py steps=9 resume=auto run_dir=/r'
+    """
+    from detrl.checkpoint import latest
+
+    ckpt = latest(run_dir)
+    where = f"last checkpoint {ckpt.name}" if ckpt else "no checkpoint yet: resume=auto starts over"
+    keep = [o for o in overrides if not o.startswith(("resume=", "run_dir=", "hydra."))]
+    return f"stopped by {signame} ({where}); resume with: python train.py {' '.join([*keep, 'resume=auto', f'run_dir={run_dir}'])}"
+
+
 def _remove_if_fresh(run_dir: Path) -> None:
     """Remove a run dir that holds nothing but Hydra's own files (a run that never started)."""
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
@@ -101,10 +115,17 @@ def main_task(cfg: DictConfig) -> dict:
             _remove_if_fresh(ours)
 
     group = wandb_group(hc.mode == RunMode.MULTIRUN, hc.sweep.dir, typed.experiment)
+    from detrl.guards import Interrupted, stop_on_signals
     from detrl.rollout.sglang import ServerError
 
     try:
-        summary = train(typed, run_dir, group=group)
+        with (
+            stop_on_signals()
+        ):  # SIGINT / SIGTERM: a clean stop (checkpoint if the step completed, W&B finished)
+            summary = train(typed, run_dir, group=group)
+    except Interrupted as e:
+        print(f"detrl: {resume_hint(e.name, run_dir, list(hc.overrides.task))}", file=sys.stderr)
+        sys.exit(128 + e.signum)
     except ConfigError as e:  # e.g. a refused resume: one line, and what was logged stays as it was
         print(f"detrl: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)

@@ -182,6 +182,8 @@ class OptimConfig:
     lr_warmup_steps_ratio: float = 0.0  # of `steps`
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
     num_cycles: float = 0.5  # cosine waves over the post-warmup steps (0.5 = a half cosine down)
+    # optimizer steps with a NaN / inf gradient norm are skipped (as verl); this many in a row stop the run
+    max_nonfinite_grad_steps: int = 5
 
 
 @dataclass
@@ -413,6 +415,9 @@ def _validate_algo_variants(a: AlgoConfig) -> None:
 
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks; raises ConfigError (one line) on the first bad value."""
+    from detrl.guards import check_values
+
+    check_values(cfg)  # values no run accepts (non-finite, zero sizes, empty groups): detrl.guards
     m, a, r = cfg.model, cfg.algo, cfg.rollout
     _choice("algo.rollout_correction", a.rollout_correction, ("none", "tis", "mis"))
     from detrl.algos.rollout_correction import validate as _validate_correction

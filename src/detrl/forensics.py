@@ -213,7 +213,7 @@ def load_policy(run_dir: Path, step: int) -> tuple[torch.nn.Module, dict]:
     from detrl.config import ModelConfig
     from detrl.models.build import build_model
 
-    payload = torch.load(Path(run_dir) / "checkpoints" / f"step-{step:06d}" / "state.pt", weights_only=False)
+    payload = torch.load(Path(run_dir) / "checkpoints" / f"step-{step:06d}" / "state.pt", weights_only=True)
     cfg = run_config(run_dir, payload)
     model = build_model(ModelConfig(**cfg["model"]), seed=cfg.get("seed", 0))
     model.load_state_dict(payload["model"])

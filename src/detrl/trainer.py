@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from detrl import actor, checkpoint, distributed, plan
+from detrl import actor, checkpoint, distributed, guards, plan
 from detrl import determinism as det_mod
 from detrl.actor import ActorSpec
 from detrl.algos import lr_ratio, warmup_steps
@@ -372,15 +372,18 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             metrics["timing_s/step"] = time.perf_counter() - t0
             metrics["perf/throughput"] = float(batch.mask.sum()) / metrics["timing_s/step"]
             metrics.update(evaluator.step(step, engine))
+            held = guards.hold_signals()  # SIGINT / SIGTERM wait for this step's log and checkpoint
             tracker.log(step, metrics)
             curve.append(metrics["critic/score/mean"])
             bar.set_postfix(reward=f"{curve[-1]:.3f}", step_s=f"{metrics['timing_s/step']:.2f}")
             # --- checkpoint
             state.step, state.data_pos, state.kl_coef = step, data_pos, kl_coef
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps:
+            due = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps
+            if due or held.requested:
                 checkpoint.save(
                     run_dir, state, model, opt, ref_model, engine.generator, config, cfg.checkpoint.keep_last
                 )
+            held.release()  # a signal that came: stop here (guards.Interrupted), this step checkpointed
         if cfg.checkpoint.save_final:
             final, weights = run_dir / "checkpoint-final", distributed.full_state_dict(model)
             if distributed.is_main():

@@ -30,6 +30,7 @@ class ActorSpec:
     loss_cfg: object  # the loss's parameters (clip ratios, policy_loss_args): the run's AlgoConfig
     use_kl_loss: bool
     seed: int  # the run's seed: a loss's own draws (clip_cov) per micro-batch
+    max_nonfinite_grad_steps: int  # non-finite gradient norms in a row before the run stops
 
     @classmethod
     def from_config(cls, cfg) -> ActorSpec:
@@ -57,4 +58,5 @@ class ActorSpec:
             loss_cfg=a,
             use_kl_loss=a.use_kl_loss,
             seed=cfg.seed,
+            max_nonfinite_grad_steps=cfg.optim.max_nonfinite_grad_steps,
         )

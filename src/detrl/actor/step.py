@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from detrl import distributed
+from detrl import distributed, guards
 from detrl.actor.old_pass import Recompute
 from detrl.algos import POLICY_LOSSES, agg_loss, kl_penalty
 from detrl.algos.policy_loss import micro_batch_seed
@@ -46,7 +46,12 @@ def mini_batch_step(
     for rec in dp.gather_records(records):
         for k, v in rec.items():
             sums[k] += v
-    scaler.step(opt)  # the one optimizer step of the mini-batch (float16: skipped on an inf / NaN gradient)
+    # the one optimizer step of the mini-batch, skipped on an inf / NaN gradient: float16's scaler lowers its
+    # scale; otherwise the step is counted and the run stops after too many in a row
+    if scaler.enabled:
+        scaler.step(opt)
+    else:
+        guards.finite_step(opt, grad_norm, s.max_nonfinite_grad_steps)
     return {**sums, "grad_norm": float(grad_norm)}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from detrl import distributed
+from detrl import distributed, guards
 from detrl.actor.metrics import mismatch_metrics
 from detrl.actor.old_pass import OLD_LOGPROBS, Scoring
 from detrl.actor.spec import ActorSpec
@@ -61,6 +61,7 @@ def update(
         "actor/entropy": masked_mean(old.ent, batch.mask).item(),
         "actor/lr": opt.param_groups[0]["lr"],
         "actor/optimizer_steps": float(len(per_step["grad_norm"])),
+        "actor/nonfinite_grad_steps": guards.pop_nonfinite(opt),
         "actor/loss_token_frac": (old.train_mask.sum() / batch.mask.sum().clamp_min(1.0)).item(),
         **mismatch_metrics(old),
         **scaler.metrics(),

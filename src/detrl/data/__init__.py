@@ -1,18 +1,26 @@
-from detrl.data.arithmetic import ArithmeticTask, exact_match_reward
-from detrl.data.base import DataError, Problem, Task
-from detrl.data.registry import TASK_NAMES, build_task, stop_token_ids, tokenizer_for
-from detrl.data.tokenizer import build_tokenizer, load_tokenizer
+"""Tasks, tokenizers and rewards. Names are imported on first use, so that a reward process (which unpickles
+one task) does not pay for `datasets` and `transformers`."""
 
-__all__ = [
-    "TASK_NAMES",
-    "ArithmeticTask",
-    "DataError",
-    "Problem",
-    "Task",
-    "build_task",
-    "build_tokenizer",
-    "exact_match_reward",
-    "load_tokenizer",
-    "stop_token_ids",
-    "tokenizer_for",
-]
+import importlib
+
+_WHERE = {
+    "ArithmeticTask": "arithmetic",
+    "exact_match_reward": "arithmetic",
+    "DataError": "base",
+    "Problem": "base",
+    "Task": "base",
+    "TASK_NAMES": "registry",
+    "build_task": "registry",
+    "stop_token_ids": "registry",
+    "tokenizer_for": "registry",
+    "build_tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"detrl.data.{_WHERE[name]}"), name)

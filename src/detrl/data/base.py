@@ -3,23 +3,17 @@
 A task is a list of (prompt, answer) rows. `prompt` is a string or a list of chat messages; `encode` turns a
 problem into prompt token ids (the tokenizer's chat template when `data.chat_template=true`), `score` turns
 decoded responses into rewards: a reward function that raises, or runs past `data.reward_timeout_s`, scores 0
-and is counted in `errors` (logged as `reward/errors`), so one odd sample never stops a run. With
-`data.reward_workers` > 0 a group's responses are scored in that many processes (spawned once, each holding a
-copy of the task; math-verify takes ~35 ms a sample), each under its own timeout; a score is a function of the
-text alone, so the pool changes no bits.
+and is counted in `errors` (logged as `reward/errors`), so one odd sample never stops a run. With a timeout (or
+`data.reward_workers` > 0) a group's responses are scored in worker processes (`max(1, reward_workers)`, spawned
+once, each holding a copy of the task) that are killed at the deadline (`detrl.data.scoring`); a score is a
+function of the text alone, so the pool changes no bits.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import pickle
 import random
-import signal
-import threading
 import weakref
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,27 +34,6 @@ class Problem:
     answer: str  # the gold answer the reward compares with
 
 
-class RewardTimeout(Exception):
-    pass
-
-
-def call_with_timeout(fn: Callable[[], float], timeout_s: float) -> float:
-    """fn() under a wall-clock limit (SIGALRM, main thread only; elsewhere no limit)."""
-    if timeout_s <= 0 or threading.current_thread() is not threading.main_thread():
-        return fn()
-
-    def on_alarm(signum, frame):
-        raise RewardTimeout(f"reward took longer than {timeout_s} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    try:
-        return fn()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 class Task:
     """Rows of (prompt, answer) in a fixed order; `batch(position, size)` wraps around."""
 
@@ -73,7 +46,7 @@ class Task:
         self._ids: list[tuple[int, ...]] | None = None  # encoded prompts, filled by `encode_all`
         self.errors = 0  # reward calls that raised or timed out since the last `pop_errors`
         self.eval_task: Task | None = None  # the held-out split (set by the registry)
-        self._executor: ProcessPoolExecutor | None = None
+        self._scorer = None  # a `detrl.data.scoring.ScoringPool`, made at first use
 
     def __len__(self) -> int:
         return len(self._prompts)
@@ -115,65 +88,50 @@ class Task:
     def reward(self, response: str, answer: str) -> float:
         raise NotImplementedError
 
-    def score_one(self, text: str, answer: str) -> tuple[float, bool]:
-        """(reward, failed): a reward that raises or times out scores 0 and says so."""
+    def prepare(self) -> None:
+        """Called once in each scoring process before its first sample (imports, caches): none by default."""
+
+    def score_unbounded(self, text: str, answer: str) -> tuple[float, bool]:
+        """(reward, failed): a reward that raises scores 0 and says so (no time limit: see `score_texts`)."""
         try:
-            return float(call_with_timeout(lambda: self.reward(text, answer), self.reward_timeout_s)), False
+            return float(self.reward(text, answer)), False
         except Exception:  # noqa: BLE001 - any failure of one sample's reward scores 0 and is counted
             return 0.0, True
 
     def score_texts(self, responses: list[str], answer: str) -> list[float]:
-        scored = None
-        if self.reward_workers > 0 and len(responses) > 1:
-            try:
-                scored = list(self._pool().map(_score_in_worker, responses, [answer] * len(responses)))
-            except BrokenProcessPool:  # a scoring process died (e.g. killed for memory): a new pool next time
-                self.close()
-        if scored is None:
-            scored = [self.score_one(text, answer) for text in responses]
+        """Rewards of a group's responses. With a timeout or `reward_workers`, scored in worker processes killed
+        at the deadline (a timeout cannot be caught there); without either, in this process."""
+        if self.reward_workers > 0 or self.reward_timeout_s > 0:
+            scored = self._pool().score(responses, answer)
+        else:
+            scored = [self.score_unbounded(text, answer) for text in responses]
         self.errors += sum(failed for _, failed in scored)
         return [score for score, _ in scored]
 
-    def _pool(self) -> ProcessPoolExecutor:
-        """The scoring processes (spawned, not forked: the trainer may hold CUDA and engine workers), made at first
-        use and shut down with the task."""
-        if self._executor is None:  # the task goes pickled (the pool holds no reference to it)
-            self._executor = ProcessPoolExecutor(
-                self.reward_workers,
-                mp_context=mp.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(pickle.dumps(self),),
-            )
-            weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
-        return self._executor
+    def _pool(self):
+        """The scoring processes (`reward_workers`, at least one), made at first use, closed with the task."""
+        if self._scorer is None:  # the task goes pickled (the pool holds no reference to it)
+            from detrl.data.scoring import ScoringPool
+
+            self._scorer = ScoringPool(self, max(1, self.reward_workers), self.reward_timeout_s)
+            weakref.finalize(self, self._scorer.close)
+        return self._scorer
 
     def close(self) -> None:
-        """Stop the scoring processes, if any, and wait for them to exit (they are idle between groups; a hung
-        reward ends at its timeout). The task still scores afterwards, in-process or with a new pool."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        """Stop the scoring processes, if any (they are idle between groups). The task still scores afterwards,
+        with a new pool."""
+        if self._scorer is not None:
+            self._scorer.close()
+            self._scorer = None
         if self.eval_task is not None and self.eval_task is not self:
             self.eval_task.close()
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_executor": None}  # a worker's copy scores in-process
+        return {**self.__dict__, "_scorer": None}  # a worker's copy scores in-process
 
     def pop_errors(self) -> int:
         n, self.errors = self.errors, 0
         return n
-
-
-_WORKER_TASK: Task | None = None  # a scoring process's copy of the task
-
-
-def _init_worker(task: bytes) -> None:
-    global _WORKER_TASK
-    _WORKER_TASK = pickle.loads(task)
-
-
-def _score_in_worker(text: str, answer: str) -> tuple[float, bool]:
-    return _WORKER_TASK.score_one(text, answer)
 
 
 class ChatTask(Task):
@@ -280,13 +238,28 @@ def column(ds, name: str, key: str, path: str) -> list[Any]:
     head, *rest = name.split(".")
     if head not in ds.column_names:
         raise DataError(f"{key}={name!r}: no such column in {path!r} (columns: {sorted(ds.column_names)})")
-    values = ds[head]
+    try:
+        values = list(ds[head])  # a lazy column in recent datasets: decode here
+    except UnicodeDecodeError as e:  # the file's bytes are not UTF-8: name the first row that fails
+        row = next((i for i in range(len(ds)) if not _decodes(ds, i, head)), "?")
+        raise DataError(
+            f"{key}={name!r}: row {row} of {path!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
+            "re-encode the file as UTF-8"
+        ) from None
     for part in rest:
         try:
             values = [v[part] for v in values]
         except (KeyError, TypeError):
             raise DataError(f"{key}={name!r}: column {head!r} in {path!r} has no field {part!r}") from None
     return values
+
+
+def _decodes(ds, i: int, head: str) -> bool:
+    try:
+        ds[i][head]
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def split_eval(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:

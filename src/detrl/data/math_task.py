@@ -5,8 +5,10 @@ then `problem` for the prompt, and `answer`, `reward_model.ground_truth` (verl /
 (MATH: its last `\\boxed{}` is the gold) for the answer.
 
 The reward is HuggingFace's `math-verify` (`parse` both sides, `verify(gold, answer)`: LaTeX and plain
-expressions, sets, intervals, units, equivalent forms). Its own signal-based timeouts are off; the task's
-`reward_timeout_s` bounds each sample instead (a timeout or an exception scores 0 and is counted).
+expressions, sets, intervals, units, equivalent forms). Its own signal-based timeouts are off, and a SIGALRM
+would not help: its parser catches every exception. The task's `reward_timeout_s` bounds each sample from outside
+instead (a worker process killed at the deadline, `detrl.data.scoring`): a timeout or an exception scores 0 and is
+counted.
 """
 
 from __future__ import annotations
@@ -49,3 +51,6 @@ class MathTask(ChatTask):
 
     def reward(self, response: str, answer: str) -> float:
         return math_reward(response, answer)
+
+    def prepare(self) -> None:
+        math_reward("$\\boxed{1}$", "1")  # math-verify's and sympy's imports, outside any deadline

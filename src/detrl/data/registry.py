@@ -12,8 +12,9 @@ import random
 from detrl.config import DataConfig, TrainConfig
 from detrl.data.arithmetic import ArithmeticTask
 from detrl.data.base import DataError, Task, column, load_rows, split_eval
-from detrl.data.gsm8k import DEFAULT_TEMPLATE, GSM8KTask
+from detrl.data.gsm8k import DEFAULT_TEMPLATE, GSM8KTask, gold_answer, to_number
 from detrl.data.math_task import ANSWER_KEYS, PROMPT_KEYS, MathTask, gold_from
+from detrl.guards import check_context
 
 TASK_NAMES = ("arithmetic", "gsm8k", "math")
 
@@ -65,7 +66,7 @@ def _file_task(d: DataConfig, path: str, key: str, seed: int) -> Task:
     else:
         akey = next((k for k in ANSWER_KEYS if k.split(".")[0] in ds.column_names), "answer")
     prompts = column(ds, pkey, "data.prompt_key", path)
-    answers = [str(a) for a in column(ds, akey, "data.answer_key", path)]
+    answers = _answers(column(ds, akey, "data.answer_key", path), d.name, akey, key, path)
     if d.name == "math":
         answers = [gold_from(a, akey) for a in answers]
     template = (
@@ -84,6 +85,42 @@ def _file_task(d: DataConfig, path: str, key: str, seed: int) -> Task:
     if d.name == "gsm8k":
         return GSM8KTask(prompts, answers, method=d.gsm8k_method, **common)
     return MathTask(prompts, answers, **common)
+
+
+def _answers(values: list, task: str, akey: str, key: str, path: str) -> list[str]:
+    """The gold answers as strings; a row without one (null, empty, for gsm8k not a number) refuses the file in
+    one line naming the row (it would score 0 for every response, silently)."""
+    for i, v in enumerate(values):
+        bad = v is None or not str(v).strip() or (task == "gsm8k" and to_number(gold_answer(str(v))) is None)
+        if bad:
+            what = "no number after '####'" if task == "gsm8k" and v is not None else "no answer"
+            raise DataError(
+                f"{key}={path!r}: row {i} has {what} in column {akey!r} ({str(v)[-60:]!r}); fix or drop the row"
+            )
+    return [str(v) for v in values]
+
+
+def positions_of(cfg: TrainConfig) -> int:
+    """The model's positions: model.path's config.json, else model.max_position_embeddings."""
+    if cfg.model.path is not None:
+        import json
+        from pathlib import Path
+
+        f = Path(cfg.model.path) / "config.json"
+        if f.is_file():
+            return int(
+                json.loads(f.read_text()).get("max_position_embeddings", cfg.model.max_position_embeddings)
+            )
+    return cfg.model.max_position_embeddings
+
+
+def _check_positions(cfg: TrainConfig, splits: list[tuple[Task, str]], tokenizer) -> None:
+    for task, key in splits:
+        ids = task.encode_all(tokenizer)
+        row = max(range(len(ids)), key=lambda i: len(ids[i]))
+        prompt = task.render(tokenizer, task[row])
+        where = f"the longest prompt of {key} ({prompt[:40]!r}...)"
+        check_context(len(ids[row]), cfg.rollout.max_new_tokens, positions_of(cfg), where)
 
 
 def _apply_template(template: str, prompt):
@@ -131,9 +168,9 @@ def build_task(cfg: TrainConfig, tokenizer) -> Task:
         task = _drop_long(task, tokenizer, d.max_prompt_length, "data.path")
         if held_task is not None:
             held_task = _drop_long(held_task, tokenizer, d.max_prompt_length, "data.eval_path")
-    task.encode_all(tokenizer)
-    if held_task is not None:
-        held_task.encode_all(tokenizer)
+    _check_positions(
+        cfg, [(task, "data.path"), *([(held_task, "data.eval_path")] if held_task else [])], tokenizer
+    )
     task.eval_task = held_task
     return task
 
