@@ -305,6 +305,9 @@ class CheckpointConfig:
     keep_last: int = 2  # exact-resume checkpoints kept
     allow_config_change: bool = False  # resume even when the config differs from the checkpoint's
     save_final: bool = True  # also save the final policy in Hugging Face format (checkpoint-final/)
+    at_end: bool = (
+        True  # the exact-resume checkpoint at the last step (false: benchmarks at scale, no resume)
+    )
 
 
 @dataclass

@@ -378,7 +378,8 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             bar.set_postfix(reward=f"{curve[-1]:.3f}", step_s=f"{metrics['timing_s/step']:.2f}")
             # --- checkpoint
             state.step, state.data_pos, state.kl_coef = step, data_pos, kl_coef
-            due = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.steps
+            last = step == cfg.steps and cfg.checkpoint.at_end
+            due = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last
             if due or held.requested:
                 checkpoint.save(
                     run_dir, state, model, opt, ref_model, engine.generator, config, cfg.checkpoint.keep_last
