@@ -3,6 +3,7 @@ the CLI's verdicts on the recipes, and train.py's refusal of a run that cannot f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -135,7 +136,10 @@ def test_min_world_is_the_first_that_fits():
 def test_layout_is_read_from_the_code(monkeypatch):
     from detrl import distributed
 
-    assert planner.code_layout() == TODAY  # distributed.py declares nothing: today's layout
+    # distributed.py declares what it changed from today's layout (the ordered reduce's shard accumulator)
+    assert planner.code_layout() == dataclasses.replace(TODAY, **distributed.PLAN_LAYOUT)
+    monkeypatch.setattr(distributed, "PLAN_LAYOUT", {}, raising=False)
+    assert planner.code_layout() == TODAY  # nothing declared: today's layout
     monkeypatch.setattr(distributed, "PLAN_LAYOUT", {"gather": "block", "reduce": "shard"}, raising=False)
     assert (planner.code_layout().gather, planner.code_layout().reduce) == ("block", "shard")
     monkeypatch.setattr(distributed, "PLAN_LAYOUT", {"gather": "layer"}, raising=False)

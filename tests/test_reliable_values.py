@@ -125,10 +125,10 @@ def test_finite_step_skips_counts_and_stops_after_n_in_a_row():
 
 
 def test_a_nan_gradient_takes_no_optimizer_step_in_training(tmp_path, monkeypatch):
-    from detrl import trainer
+    from detrl.actor import step
 
-    agg = trainer.agg_loss
-    monkeypatch.setattr(trainer, "agg_loss", lambda *a, **k: agg(*a, **k) * math.nan)
+    agg = step.agg_loss
+    monkeypatch.setattr(step, "agg_loss", lambda *a, **k: agg(*a, **k) * math.nan)
     with pytest.raises(guards.NonFiniteGradients, match="max_nonfinite_grad_steps=3"):
         run_tiny(tmp_path, "steps=4", "optim.max_nonfinite_grad_steps=3")
     rows = read_metrics(tmp_path)
