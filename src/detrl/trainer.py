@@ -451,6 +451,10 @@ def make_engine(
         num_workers=r.num_workers,
         max_batch_size=r.max_batch_size,
         fixed_routing=det.fixed_routing,
+        scheduler=r.scheduler,
+        block_size=r.block_size,
+        prefill_chunk=r.prefill_chunk,
+        kv_pool_tokens=r.kv_pool_tokens,
     )
 
 

@@ -27,7 +27,7 @@ from detrl.models.forward import KVCache, fuse, layer_post, layer_pre, log_probs
 from detrl.models.forward import forward as model_forward
 from detrl.models.ops import Ops, moe_dispatch
 from detrl.rollout.base import Request, Result, SamplingParams, cut_results
-from detrl.rollout.embedded import _check_fits, _fixed_batches
+from detrl.rollout.batching import check_fits, fixed_batches
 from detrl.rollout.sampling import gumbel, hashed_gumbel, sample, seed_key
 
 
@@ -122,12 +122,12 @@ class CudaEngine:
             return []
         if self.fixed_routing and stop_when is not None:
             raise ValueError("stop_when needs dynamic routing; with fixed routing cut by token budget")
-        _check_fits(requests, self.params, self.ctx_len)
+        check_fits(requests, self.params, self.ctx_len)
         stream_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         torch.cuda.manual_seed(stream_seed)  # this call's draws for unseeded requests (graphs replay from it)
         indexed = list(enumerate(requests))
         if self.fixed_routing:
-            batches = _fixed_batches(indexed, 1, self.max_batch_size)
+            batches = fixed_batches(indexed, 1, self.max_batch_size)
         else:  # prompt groups in arrival order, as many as fit a batch
             batches = []
             for i, r in indexed:
