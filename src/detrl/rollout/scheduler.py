@@ -57,8 +57,18 @@ class Finished:
 class EngineCore:
     """The scheduler, the block manager and the model runner of one replica (one process, one pool)."""
 
-    def __init__(self, weights: Weights, ops: Ops, ctx_len: int, blocks: int, block_size: int, chunk: int,
-                 max_running: int, generator: torch.Generator | None = None):  # fmt: skip
+    def __init__(
+        self,
+        weights: Weights,
+        ops: Ops,
+        ctx_len: int,
+        blocks: int,
+        block_size: int,
+        chunk: int,
+        max_running: int,
+        generator: torch.Generator | None = None,
+        prefix_cache: bool = True,
+    ):
         need = -(-ctx_len // block_size)
         if blocks < need:
             raise ValueError(
@@ -77,7 +87,8 @@ class EngineCore:
         self.manager = BlockManager(blocks, block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.steps = 0
+        self.prefix_cache = prefix_cache  # False: every sequence prefills its whole context (cold)
+        self.steps, self.computed_tokens = 0, 0  # steps run, tokens forwarded (prefill + decode)
 
     def add(self, key, request: Request, params: SamplingParams) -> None:
         ctx = list(request.prompt_ids + request.prefix)
@@ -130,8 +141,8 @@ class EngineCore:
         while self.waiting and len(self.running) < self.max_running:
             s = self.waiting.popleft()
             s.chain = self.manager.chain_of(s.tokens[: len(s.tokens) - 1])
-            cached = self.manager.cached(s.chain, s.tokens)
-            if len(cached) < len(s.chain) and s.chain[len(cached)] in inflight:
+            cached = self.manager.cached(s.chain, s.tokens) if self.prefix_cache else []
+            if self.prefix_cache and len(cached) < len(s.chain) and s.chain[len(cached)] in inflight:
                 deferred.append(s)  # its next prefix block is being computed: take it by reference later
                 continue
             need = -(-len(s.tokens) // bs) - len(cached)
@@ -144,6 +155,7 @@ class EngineCore:
             s.computed, s.slots = len(cached) * bs, None
             self.running.append(s)
             admitted.append(s)
+            inflight.update(s.chain[len(cached) :])
         self.waiting.extendleft(reversed(deferred))
         return admitted
 
@@ -196,6 +208,7 @@ class EngineCore:
             slots,
             last,
         )
+        self.computed_tokens += sum(n)
         for i, s in enumerate(batch):
             s.computed += n[i]
             self._publish(s)
