@@ -116,7 +116,20 @@ class CudaEngine:
         self._slots.clear()
 
     # --- generation
-    def generate(self, requests: list[Request], stop_when=None) -> list[Result]:
+    def generate(
+        self, requests: list[Request], params: SamplingParams | None = None, stop_when=None
+    ) -> list[Result]:
+        """As EmbeddedEngine.generate; `params` (None: the engine's) for this call only."""
+        default, self.params = self.params, params or self.params
+        try:
+            return self._generate(requests, stop_when)
+        finally:
+            self.params = default
+
+    def abort(self) -> None:
+        """A single-device call runs to the end of its batch; nothing to cut between batches."""
+
+    def _generate(self, requests: list[Request], stop_when=None) -> list[Result]:
         self.batch_log = []
         if not requests:
             return []

@@ -89,7 +89,7 @@ def _serve_core(worker: int, core: EngineCore, own, outbox, abort, parent: int, 
         try:
             finished = core.abort() if abort.is_set() else core.step()
         except Exception:  # noqa: BLE001 - the engine raises it
-            outbox.put((current, worker, "error", 0, traceback.format_exc()))
+            outbox.put((current, worker, "error", {}, traceback.format_exc()))
             core.abort()
             continue
         by_call: dict = {}
@@ -98,7 +98,7 @@ def _serve_core(worker: int, core: EngineCore, own, outbox, abort, parent: int, 
                 (f.key[1], f.tokens, f.logprobs, f.finish_reason, f.routed_experts)
             )
         for call, payload in by_call.items():
-            outbox.put((call, worker, "batch", core.kv_bytes_peak(), payload))
+            outbox.put((call, worker, "batch", core.stats(), payload))
 
 
 class EmbeddedEngine:
@@ -151,7 +151,7 @@ class EmbeddedEngine:
         self.batch_log: list[
             tuple[int, tuple[tuple[int, int], ...]]
         ] = []  # (worker, uids) per result message
-        self.kv_peak: dict[int, int] = {}  # per worker: the most KV bytes its pool (or batch caches) held
+        self.stats: dict[int, dict] = {}  # per worker: KV bytes at the peak, pool bytes, prefix-cache hits
         self._procs: list = []
         self._call = 0
 
@@ -184,9 +184,9 @@ class EmbeddedEngine:
             self._finalizer()
             self._procs = []
 
-    def kv_bytes_peak(self) -> int:
-        """The KV bytes held at the peak, summed over the workers (each holds its own pool)."""
-        return sum(self.kv_peak.values())
+    def stat(self, key: str) -> int:
+        """A worker statistic summed over the workers (each holds its own pool), e.g. kv_bytes_peak."""
+        return sum(s.get(key, 0) for s in self.stats.values())
 
     def _start(self) -> None:
         if self._procs and all(p.is_alive() for p in self._procs):
@@ -294,7 +294,7 @@ class EmbeddedEngine:
         """The next result message of this call from any worker; a worker's error or death raises here."""
         while True:
             try:
-                call, worker, kind, kv, payload = self._outbox.get(timeout=POLL_S)
+                call, worker, kind, stats, payload = self._outbox.get(timeout=POLL_S)
             except queue.Empty:
                 dead = [(w, p.exitcode) for w, p in enumerate(self._procs) if not p.is_alive()]
                 if dead:
@@ -305,7 +305,7 @@ class EmbeddedEngine:
                 continue  # left over from a call that raised
             if kind == "error":
                 raise RuntimeError(f"rollout worker {worker} failed:\n{payload}")
-            self.kv_peak[worker] = max(self.kv_peak.get(worker, 0), kv)
+            self.stats[worker] = stats
             return worker, kind, payload
 
 

@@ -40,12 +40,14 @@ class KVPool:
 
     def __init__(self, config, blocks: int, block_size: int, dtype: torch.dtype, ctx_len: int):
         self.blocks, self.block_size, self.ctx_len = blocks, block_size, ctx_len
-        shape = ((blocks + 1) * block_size, config.num_key_value_heads, config.head_dim)
+        self.hkv, self.size = config.num_key_value_heads, (blocks + 1) * block_size  # slots per head
+        shape = (self.hkv * self.size, config.head_dim)  # head-major: a row's gather is one copy
         layers = config.num_hidden_layers
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
-        self.block_bytes = 2 * layers * block_size * shape[1] * shape[2] * self.k[0].element_size()
+        self.block_bytes = 2 * layers * block_size * self.hkv * shape[1] * self.k[0].element_size()
         self.null_slots = torch.full((ctx_len,), blocks * block_size, dtype=torch.long)
+        self._heads = torch.arange(self.hkv) * self.size  # [Hkv] offset of each head's slots
 
     def slots(self, table: list[int]) -> torch.Tensor:
         """[ctx_len] pool slot of each position of a sequence with this block table (the zero block past it)."""
@@ -56,17 +58,24 @@ class KVPool:
             out[:n] = s[:n]
         return out
 
-    def write_read(self, layer: int, k, v, write: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor):
-        """Write k, v [B, Hkv, T, D] at pool slots `write` [B, T] (where `valid`), then gather every row's
-        ctx_len slots [B, ctx_len] -> keys, values [B, Hkv, ctx_len, D]."""
-        b, hkv, t, d = k.shape
-        flat = valid.reshape(-1)
-        idx = write.reshape(-1)[flat]
-        self.k[layer].index_copy_(0, idx, k.transpose(1, 2).reshape(b * t, hkv, d)[flat])
-        self.v[layer].index_copy_(0, idx, v.transpose(1, 2).reshape(b * t, hkv, d)[flat])
-        keys = self.k[layer][slots].transpose(1, 2).contiguous()
-        values = self.v[layer][slots].transpose(1, 2).contiguous()
-        return keys, values
+    def plan(self, write: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor) -> tuple:
+        """The flat indices one step's layers share: where tokens [B, T] (where `valid`) write, what rows
+        [B, ctx_len] read, per head."""
+        w = write[:, None, :] + self._heads[None, :, None]  # [B, Hkv, T]
+        mask = valid[:, None, :].expand_as(w).reshape(-1)
+        read = slots[:, None, :] + self._heads[None, :, None]  # [B, Hkv, ctx_len]
+        return w.reshape(-1)[mask], mask, read
+
+    def write_read(self, layer: int, k, v, plan: tuple):
+        """Write k, v [B, Hkv, T, D] at the plan's slots, then gather keys, values [B, Hkv, ctx_len, D]."""
+        idx, mask, read = plan
+        d = k.shape[-1]
+        self.k[layer].index_copy_(0, idx, k.reshape(-1, d)[mask])
+        self.v[layer].index_copy_(0, idx, v.reshape(-1, d)[mask])
+        flat, shape = read.reshape(-1), (*read.shape, d)
+        return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(
+            shape
+        )
 
 
 class BlockManager:
@@ -156,10 +165,11 @@ def paged_forward(
     top_k, norm_topk = getattr(c, "num_experts_per_tok", 0), getattr(c, "norm_topk_prob", False)
     h = w.embed[tokens]  # [B, T, H]
     rows = torch.arange(b)
+    plan = pool.plan(write, valid, slots)
     chosen = []
     for i, lw in enumerate(w.layers):
         q, k, v = layer_pre(h, lw.input_norm, lw.qkv, lw.qk_norm, *rot, ops, c.num_attention_heads, hd, eps)
-        keys, values = pool.write_read(i, k, v, write, valid, slots)
+        keys, values = pool.write_read(i, k, v, plan)
         h, ids = layer_post(
             h, q, keys, values, mask, lw.o, lw.post_norm, lw.gate_up, lw.down, lw.router,
             ops, top_k, norm_topk, hd, eps,

@@ -24,7 +24,7 @@ from detrl.rollout.paged import BlockManager, KVPool, SeqBlocks, paged_forward
 from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class Sequence:
     key: object  # the caller's handle, returned with the result
     request: Request
@@ -89,6 +89,7 @@ class EngineCore:
         self.running: list[Sequence] = []
         self.prefix_cache = prefix_cache  # False: every sequence prefills its whole context (cold)
         self.steps, self.computed_tokens = 0, 0  # steps run, tokens forwarded (prefill + decode)
+        self.hit_blocks = 0  # blocks taken by reference from the prefix cache instead of computed
 
     def add(self, key, request: Request, params: SamplingParams) -> None:
         ctx = list(request.prompt_ids + request.prefix)
@@ -105,8 +106,15 @@ class EngineCore:
         self.pool = None
         self.manager = BlockManager(self.num_blocks, self.block_size)
 
-    def kv_bytes_peak(self) -> int:
-        return self.manager.used_peak * (self.pool.block_bytes if self.pool else 0)
+    def stats(self) -> dict[str, int]:
+        """KV bytes held at the peak, the pool's bytes, prefix-cache hits, tokens forwarded."""
+        block = self.pool.block_bytes if self.pool else 0
+        return {
+            "kv_bytes_peak": self.manager.used_peak * block,
+            "kv_pool_bytes": self.num_blocks * block,
+            "hit_blocks": self.hit_blocks,
+            "computed_tokens": self.computed_tokens,
+        }
 
     def abort(self) -> list[Finished]:
         """Every sequence out now, as "abort" with what it sampled (unstarted ones with nothing)."""
@@ -151,6 +159,7 @@ class EngineCore:
                 break
             for bid in cached:
                 self.manager.take(bid)
+            self.hit_blocks += len(cached)
             s.blocks = SeqBlocks(list(cached), s.chain[: len(cached)])
             s.computed, s.slots = len(cached) * bs, None
             self.running.append(s)
@@ -182,18 +191,20 @@ class EngineCore:
 
     def _run(self, batch: list[Sequence], width: int) -> list[Finished]:
         """One forward over the rows' next <= width tokens; rows whose context is then computed sample."""
-        pool, b = self.pool, len(batch)
+        pool = self.pool
         n = [min(width, len(s.tokens) - s.computed) for s in batch]
-        tokens = torch.zeros(b, max(n), dtype=torch.long)  # right-padded [B, T]
-        positions, write = torch.zeros_like(tokens), torch.zeros_like(tokens)
-        valid = torch.zeros(b, max(n), dtype=torch.bool)
-        for i, s in enumerate(batch):
+        t = max(n)
+        rows = [s.tokens[s.computed : s.computed + k] + [0] * (t - k) for s, k in zip(batch, n)]
+        tokens = torch.tensor(rows, dtype=torch.long)  # right-padded [B, T]
+        start = torch.tensor([s.computed for s in batch])
+        positions = start[:, None] + torch.arange(t)  # [B, T]
+        valid = torch.arange(t)[None, :] < torch.tensor(n)[:, None]
+        positions = positions.masked_fill(~valid, 0)  # padding: position 0, never written
+        for s in batch:
             if s.slots is None:
                 s.slots = pool.slots(s.blocks.table)
-            pos = torch.arange(s.computed, s.computed + n[i])
-            tokens[i, : n[i]] = torch.tensor(s.tokens[s.computed : s.computed + n[i]])
-            positions[i, : n[i]], write[i, : n[i]], valid[i, : n[i]] = pos, s.slots[pos], True
         slots = torch.stack([s.slots for s in batch])  # [B, ctx_len]
+        write = slots.gather(1, positions)  # [B, T] the pool slot of each token
         last = torch.tensor(n) - 1
         logits, route = paged_forward(
             self.weights,
@@ -236,13 +247,14 @@ class EngineCore:
         for (temperature, top_p), idx in groups.items():
             logp = log_probs(logits[idx], temperature)  # [G, V]
             tok = sample(logp, self._noise([rows[i] for i in idx], logp.shape[-1]), top_p)
-            lp = logp.gather(-1, tok[:, None]).squeeze(-1)
-            for j, i in enumerate(idx):
-                s, t = rows[i], int(tok[j])
+            lp = logp.gather(-1, tok[:, None]).squeeze(-1).tolist()
+            experts = None if route is None else route[idx].to(torch.int16).numpy()
+            for j, (i, t) in enumerate(zip(idx, tok.tolist())):
+                s = rows[i]
                 s.tokens.append(t)
-                s.logprobs.append(float(lp[j]))
-                if route is not None:
-                    s.experts.append(route[i].to(torch.int16).numpy())
+                s.logprobs.append(lp[j])
+                if experts is not None:
+                    s.experts.append(experts[j])
                 n = len(s.tokens) - s.context
                 reason = (
                     "stop"

@@ -144,100 +144,6 @@ class Sampler:
         return stream_gumbel(self.generator, (positions.shape[0], steps), vocab)
 
 
-def _serve(
-    worker: int,
-    sampler: Sampler,
-    tasks,
-    inbox,
-    outbox,
-    max_batch_size: int,
-    window_s: float,
-    parent: int,
-    deterministic: bool,
-) -> None:
-    """A worker process: run what is routed to it until told to stop (None).
-
-    Fixed routing: `tasks` brings (call, stream seed, params, [(batch no, [(index, request)])]). Dynamic:
-    prompt groups (call, stream seed, params, [(index, request)]) arrive on the shared `inbox`. Each batch's results
-    go back on `outbox` as (call, worker, kind, payload). A worker whose engine process is gone exits
-    (a forked worker would otherwise keep that process's sockets open, e.g. a killed server's port).
-    """
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(
-        deterministic
-    )  # determinism.torch_algorithms, as in the engine's process
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    sampler.generator = torch.Generator()
-    current, carry = None, None
-
-    def start(call, stream_seed, params) -> None:
-        nonlocal current
-        if call != current:  # a new generate call: this worker's stream restarts from the engine's draw
-            sampler.generator.manual_seed((stream_seed + worker) % 2**63)
-            sampler.params, current = params, call
-
-    def run(call, items) -> None:
-        try:
-            results = sampler.run_batch([r for _, r in items])
-            outbox.put(
-                (
-                    call,
-                    worker,
-                    "batch",
-                    [
-                        (i, r.tokens, r.logprobs, r.finish_reason, r.routed_experts)
-                        for (i, _), r in zip(items, results)
-                    ],
-                )
-            )
-        except Exception:  # noqa: BLE001 - the engine raises it
-            outbox.put((call, worker, "error", traceback.format_exc()))
-
-    def wait(q):
-        while True:
-            try:
-                return q.get(timeout=POLL_S)
-            except queue.Empty:
-                if os.getppid() != parent:
-                    os._exit(0)
-
-    while True:
-        if tasks is not None:
-            msg = wait(tasks)
-            if msg is None:
-                return
-            call, stream_seed, params, batches = msg
-            start(call, stream_seed, params)
-            for _, items in batches:
-                run(call, items)
-            continue
-        group = carry or wait(inbox)
-        if group is None:
-            return
-        carry, stop = None, False
-        call, stream_seed, params, items = group
-        deadline = time.perf_counter() + window_s  # what arrives within the window, up to a full batch
-        while len(items) < max_batch_size:
-            try:
-                nxt = inbox.get(timeout=max(0.0, deadline - time.perf_counter()))
-            except queue.Empty:
-                break
-            if nxt is None:
-                stop = True
-                break
-            if len(items) + len(nxt[3]) > max_batch_size:
-                carry = nxt  # does not fit: it starts this worker's next batch
-                break
-            items = items + nxt[3]
-        start(call, stream_seed, params)
-        if sampler.abort.is_set():  # cut: queued requests come back unstarted
-            outbox.put((call, worker, "unstarted", [(i, [], [], "abort", None) for i, _ in items]))
-        else:
-            run(call, items)
-        if stop:
-            return
-
-
 def serve_static(
     worker: int,
     sampler: Sampler,
@@ -278,7 +184,7 @@ def serve_static(
                     call,
                     worker,
                     "batch",
-                    sampler.kv_bytes_peak,
+                    {"kv_bytes_peak": sampler.kv_bytes_peak},
                     [
                         (i, r.tokens, r.logprobs, r.finish_reason, r.routed_experts)
                         for (i, _), r in zip(items, results)
@@ -286,7 +192,7 @@ def serve_static(
                 )
             )
         except Exception:  # noqa: BLE001 - the engine raises it
-            outbox.put((call, worker, "error", 0, traceback.format_exc()))
+            outbox.put((call, worker, "error", {}, traceback.format_exc()))
 
     def wait(q):
         while True:
@@ -331,7 +237,7 @@ def serve_static(
                     call,
                     worker,
                     "unstarted",
-                    sampler.kv_bytes_peak,
+                    {"kv_bytes_peak": sampler.kv_bytes_peak},
                     [(i, [], [], "abort", None) for i, _ in items],
                 )
             )
