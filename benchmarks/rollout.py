@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument(
         "--kv-pool-tokens",
         type=int,
-        default=2048,
+        default=8192,
         help="variable workload: the continuous engine's pool per worker",
     )
     ap.add_argument("--repeats", type=int, default=7)
@@ -187,6 +187,7 @@ def variable(args) -> None:
             )  # prompt blocks n samples would compute
             out["kv_pool_bytes"] = eng.stat("kv_pool_bytes")
             out["prefix"] = {"hit_blocks": eng.stat("hit_blocks"), "block_size": eng.block_size,
+                             "preemptions": eng.stat("preemptions"),
                              "full_prompt_blocks": full}  # fmt: skip
             out["lengths"] = {"min": min(len(r.tokens) for r in res), "max": max(len(r.tokens) for r in res),
                               "mean": toks / len(res)}  # fmt: skip

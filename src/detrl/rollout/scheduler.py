@@ -89,7 +89,7 @@ class EngineCore:
         self.running: list[Sequence] = []
         self.prefix_cache = prefix_cache  # False: every sequence prefills its whole context (cold)
         self.steps, self.computed_tokens = 0, 0  # steps run, tokens forwarded (prefill + decode)
-        self.hit_blocks = 0  # blocks taken by reference from the prefix cache instead of computed
+        self.hit_blocks, self.preemptions = 0, 0  # blocks taken from the prefix cache; sequences preempted
 
     def add(self, key, request: Request, params: SamplingParams) -> None:
         ctx = list(request.prompt_ids + request.prefix)
@@ -114,6 +114,7 @@ class EngineCore:
             "kv_pool_bytes": self.num_blocks * block,
             "hit_blocks": self.hit_blocks,
             "computed_tokens": self.computed_tokens,
+            "preemptions": self.preemptions,
         }
 
     def abort(self) -> list[Finished]:
@@ -184,6 +185,7 @@ class EngineCore:
         return [s for s in kept if s in self.running]
 
     def _preempt(self, s: Sequence) -> None:
+        self.preemptions += 1
         self.running.remove(s)
         self.manager.release(s.blocks.table)
         s.blocks, s.computed, s.slots = SeqBlocks(), 0, None
