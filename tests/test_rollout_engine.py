@@ -134,3 +134,25 @@ def test_the_engine_matches_the_static_baseline_bitwise():
         out[scheduler] = [(r.tokens, r.logprobs, r.finish_reason, r.routed_experts.tobytes()) for r in res]
     assert out["static"] == out["continuous"]
     assert torch.tensor([len(t) for t, *_ in out["static"]]).unique().numel() > 1  # lengths vary
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_the_preflight_proves_the_paged_path_and_catches_a_chunk_dependent_attention(name):
+    import dataclasses
+
+    from detrl.models.forward import forward, rope_tables
+    from detrl.models.ops import bi_attention
+    from detrl.models.preflight import _logprobs_of, check_paged
+
+    w = _weights(name)
+    rope = rope_tables(w.config, CTX)
+    ids = torch.randint(3, 64, (4, CTX), generator=torch.Generator().manual_seed(0))
+    full = _logprobs_of(forward(w, ids, BATCH_INVARIANT_OPS, CTX, rope)[:, :-1], ids[:, 1:])
+    assert check_paged(w, BATCH_INVARIANT_OPS, CTX, rope, ids, full, 5) == []
+
+    def chunked_differs(q, k, v, mask, scale):  # a kernel whose rounding depends on the query block size
+        out = bi_attention(q, k, v, mask, scale)
+        return out if q.shape[2] in (1, CTX) else out * (1 + 2**-20)
+
+    bad = dataclasses.replace(BATCH_INVARIANT_OPS, attention=chunked_differs)
+    assert "paged chunked prefill" in check_paged(w, bad, CTX, rope, ids, full, 5)[0]
