@@ -156,3 +156,19 @@ def test_the_preflight_proves_the_paged_path_and_catches_a_chunk_dependent_atten
 
     bad = dataclasses.replace(BATCH_INVARIANT_OPS, attention=chunked_differs)
     assert "paged chunked prefill" in check_paged(w, bad, CTX, rope, ids, full, 5)[0]
+
+
+def test_calls_submitted_while_others_run_join_them_and_stream_back_in_completion_order():
+    model = _MODELS.get("qwen3") or build_model(ModelConfig(name="qwen3"), seed=0)
+    reqs = _requests()
+    eng = EmbeddedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=0, num_workers=2, max_batch_size=8,
+                         fixed_routing=False, block_size=4, prefill_chunk=8)  # fmt: skip
+    alone = {r.uid: (r.tokens, r.logprobs) for r in eng.generate(reqs)}
+    first = eng.submit(reqs[:6])
+    stream = eng.results(first)
+    got = [next(stream)]  # the first call is running ...
+    second = eng.submit(reqs[6:], PARAMS)  # ... when the second joins it
+    got += list(eng.results(second)) + list(stream)
+    eng.close()
+    assert sorted(r.uid for r in got) == sorted(alone)
+    assert all((r.tokens, r.logprobs) == alone[r.uid] for r in got)

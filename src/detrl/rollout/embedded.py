@@ -21,7 +21,9 @@ import queue
 import sys
 import traceback
 import weakref
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.multiprocessing as mp
@@ -54,7 +56,7 @@ def _serve_core(worker: int, core: EngineCore, own, outbox, abort, parent: int, 
         deterministic
     )  # determinism.torch_algorithms, as in the engine's process
     torch.utils.deterministic.fill_uninitialized_memory = False
-    current, stop = None, False
+    current, stop = 0, False  # the newest call seen (call ids increase)
 
     def handle(msg) -> None:
         nonlocal current, stop
@@ -64,7 +66,7 @@ def _serve_core(worker: int, core: EngineCore, own, outbox, abort, parent: int, 
             core.release()
         else:
             _, call, stream_seed, params, items = msg
-            if call != current:  # a new call: this worker's stream restarts from the engine's draw
+            if call > current:  # a new call: this worker's stream restarts from the engine's draw
                 core.generator.manual_seed((stream_seed + worker) % 2**63)
                 current = call
             for i, r in items:
@@ -154,6 +156,8 @@ class EmbeddedEngine:
         self.stats: dict[int, dict] = {}  # per worker: KV bytes at the peak, pool bytes, prefix-cache hits
         self._procs: list = []
         self._call = 0
+        self._calls: dict[int, _Call] = {}  # submitted calls not yet read to the end
+        self._load = [0] * num_workers  # dynamic routing: requests in flight per worker
 
     def update_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """A state dict, or (name, tensor) pairs (block by block): copied into the shared weights in place.
@@ -227,36 +231,55 @@ class EmbeddedEngine:
         running sequences are cut at their next step and queued requests come back unstarted, all with finish
         reason "abort" (an async system's cut of a partial rollout).
         """
-        params = params or self.params
         self.batch_log = []
-        self._abort.clear()
         if not requests:
             return []
         if self.fixed_routing and stop_when is not None:
             raise ValueError("stop_when needs dynamic routing; with fixed routing cut by token budget")
-        check_fits(requests, params, self.ctx_len)
-        self._start()
-        self._call += 1
-        head = (self._call, int(torch.randint(0, 2**62, (1,), generator=self.generator)), params)
-        backlog = self._route(list(enumerate(requests)), head)
-        done: list[Result] = []
-        while len(done) < len(requests):
-            worker, kind, payload = self._receive()
-            results = [Result(requests[i], *out) for i, *out in payload]
-            if kind == "batch":
-                self.batch_log.append((worker, tuple(r.uid for r in results)))
-            done += results  # completion order
-            if backlog is not None:
-                self._load[worker] -= len(payload)
-                self._dispatch(backlog, head)
-            if stop_when is not None and not self._abort.is_set() and stop_when(done):
-                self._abort.set()
-                done += [Result(requests[i], [], [], "abort") for g in backlog or () for i, _ in g]
-                backlog = None if backlog is None else []
+        done = list(self.results(self.submit(requests, params), stop_when))
         if self.fixed_routing:
             by_uid = {r.uid: r for r in done}
             return [by_uid[r.uid] for r in requests]
         return done
+
+    def submit(self, requests: list[Request], params: SamplingParams | None = None) -> int:
+        """Start requests now, while other calls may still run (their sequences join the running batches);
+        -> the call's id for `results`."""
+        params = params or self.params
+        check_fits(requests, params, self.ctx_len)
+        if self.scheduler == "static" and self._calls:
+            raise ValueError("rollout.scheduler=static runs one call at a time; submit needs continuous")
+        if not self._calls:
+            self._abort.clear()
+            self._load = [0] * self.num_workers
+        self._start()
+        self._call += 1
+        head = (self._call, int(torch.randint(0, 2**62, (1,), generator=self.generator)), params)
+        backlog = self._route(list(enumerate(requests)), head)
+        self._calls[self._call] = _Call(requests, head, backlog)
+        return self._call
+
+    def results(self, call: int, stop_when=None) -> Iterator[Result]:
+        """A submitted call's results in completion order, as they arrive (see generate for stop_when)."""
+        st, done = self._calls[call], []
+        try:
+            while len(done) < len(st.requests):
+                while not st.inbox:
+                    self._receive()
+                worker, kind, payload = st.inbox.popleft()
+                results = [Result(st.requests[i], *out) for i, *out in payload]
+                if kind == "batch":
+                    self.batch_log.append((worker, tuple(r.uid for r in results)))
+                done += results
+                yield from results
+                if stop_when is not None and not self._abort.is_set() and stop_when(done):
+                    self._abort.set()
+                    cut = [Result(st.requests[i], [], [], "abort") for g in st.backlog or () for i, _ in g]
+                    st.backlog = None if st.backlog is None else []
+                    done += cut
+                    yield from cut
+        finally:
+            del self._calls[call]
 
     def _route(self, indexed: list[tuple[int, Request]], head: tuple) -> list | None:
         """Send the call's requests to the workers; -> the groups the dynamic router holds back (else None)."""
@@ -275,7 +298,6 @@ class EmbeddedEngine:
                 if share:
                     self._queues[w].put(("run", *head, share))
             return None
-        self._load = [0] * self.num_workers
         backlog = list(reversed(groups))
         self._dispatch(backlog, head)
         return backlog
@@ -290,8 +312,9 @@ class EmbeddedEngine:
             self._load[w] += len(g)
             self._queues[w].put(("run", *head, g))
 
-    def _receive(self):
-        """The next result message of this call from any worker; a worker's error or death raises here."""
+    def _receive(self) -> None:
+        """The next result message from any worker, to its call's inbox (the router refills the worker first);
+        a worker's error or death raises here."""
         while True:
             try:
                 call, worker, kind, stats, payload = self._outbox.get(timeout=POLL_S)
@@ -301,12 +324,28 @@ class EmbeddedEngine:
                     self.close()
                     raise RuntimeError(f"rollout worker {dead[0][0]} exited (code {dead[0][1]})") from None
                 continue
-            if call != self._call:
+            if call not in self._calls:
                 continue  # left over from a call that raised
             if kind == "error":
                 raise RuntimeError(f"rollout worker {worker} failed:\n{payload}")
             self.stats[worker] = stats
-            return worker, kind, payload
+            st = self._calls[call]
+            if st.backlog is not None:
+                self._load[worker] -= len(payload)
+                for other in self._calls.values():
+                    self._dispatch(other.backlog or [], other.head)
+            st.inbox.append((worker, kind, payload))
+            return
+
+
+@dataclass
+class _Call:
+    """A submitted call: its requests, its routing head, the groups the router holds back, results not yet read."""
+
+    requests: list[Request]
+    head: tuple
+    backlog: list | None
+    inbox: deque = field(default_factory=deque)
 
 
 def _shutdown(procs, queues) -> None:
