@@ -160,7 +160,7 @@ def check_paged(weights: Weights, ops: Ops, ctx_len: int, rope, ids, full, promp
     b, size = ids.shape[0], 4
     per = -(-ctx_len // size)
     pool = KVPool(weights.config, b * per, size, weights.embed.dtype, ctx_len)
-    slots = torch.stack([pool.slots([j * b + i for j in reversed(range(per))]) for i in range(b)])
+    slots = pool.slots([[j * b + i for j in reversed(range(per))] for i in range(b)])
     steps, p, got = min(ctx_len, prompt_len + 6), 0, []
     while p < steps - 1:
         n = min(2, prompt_len - p) if p < prompt_len else 1

@@ -46,17 +46,16 @@ class KVPool:
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
         self.block_bytes = 2 * layers * block_size * self.hkv * shape[1] * self.k[0].element_size()
-        self.null_slots = torch.full((ctx_len,), blocks * block_size, dtype=torch.long)
         self._heads = torch.arange(self.hkv) * self.size  # [Hkv] offset of each head's slots
 
-    def slots(self, table: list[int]) -> torch.Tensor:
-        """[ctx_len] pool slot of each position of a sequence with this block table (the zero block past it)."""
-        out = self.null_slots.clone()
-        if table:
-            s = (torch.tensor(table)[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
-            n = min(len(s), self.ctx_len)
-            out[:n] = s[:n]
-        return out
+    def slots(self, tables: list[list[int]]) -> torch.Tensor:
+        """[B, ctx_len] pool slot of each position of sequences with these block tables (the zero block past
+        their blocks), one tensor op for the batch."""
+        width = -(-self.ctx_len // self.block_size)
+        padded = torch.tensor([t[:width] + [self.blocks] * (width - len(t)) for t in tables])  # [B, blocks]
+        return (padded[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten(1)[
+            :, : self.ctx_len
+        ]
 
     def plan(self, write: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor) -> tuple:
         """The flat indices one step's layers share: where tokens [B, T] (where `valid`) write, what rows

@@ -35,7 +35,6 @@ class Sequence:
     room: int  # new tokens left before "length"
     computed: int = 0  # tokens whose KV is in the pool
     blocks: SeqBlocks = field(default_factory=SeqBlocks)
-    slots: torch.Tensor | None = None
     chain: list[int] = field(default_factory=list)  # chain hashes of the full blocks before the last token
     logprobs: list[float] = field(default_factory=list)
     experts: list[np.ndarray] = field(default_factory=list)
@@ -105,6 +104,7 @@ class EngineCore:
         assert self.idle(), "release with sequences in flight"
         self.pool = None
         self.manager = BlockManager(self.num_blocks, self.block_size)
+        self.computed_tokens = self.hit_blocks = self.preemptions = 0  # stats since the last release
 
     def stats(self) -> dict[str, int]:
         """KV bytes held at the peak, the pool's bytes, prefix-cache hits, tokens forwarded."""
@@ -162,7 +162,7 @@ class EngineCore:
                 self.manager.take(bid)
             self.hit_blocks += len(cached)
             s.blocks = SeqBlocks(list(cached), s.chain[: len(cached)])
-            s.computed, s.slots = len(cached) * bs, None
+            s.computed = len(cached) * bs
             self.running.append(s)
             admitted.append(s)
             inflight.update(s.chain[len(cached) :])
@@ -171,24 +171,22 @@ class EngineCore:
 
     def _reserve(self, batch: list[Sequence], width: int) -> list[Sequence]:
         """Blocks for each row's next `width` tokens; when the pool is out, preempt the newest running."""
-        kept = []
+        preempted = {id(s) for s in batch} - {id(s) for s in self.running}  # out since the batch was made
         for s in batch:
             end = min(len(s.tokens), s.computed + width)
-            while s in self.running and len(s.blocks.table) * self.block_size < end:
+            while id(s) not in preempted and len(s.blocks.table) * self.block_size < end:
                 if self.manager.free:
                     s.blocks.table.append(self.manager.allocate())
-                    s.slots = None
                 else:
+                    preempted.add(id(self.running[-1]))
                     self._preempt(self.running[-1])
-            if s in self.running:
-                kept.append(s)
-        return [s for s in kept if s in self.running]
+        return [s for s in batch if id(s) not in preempted]
 
     def _preempt(self, s: Sequence) -> None:
         self.preemptions += 1
         self.running.remove(s)
         self.manager.release(s.blocks.table)
-        s.blocks, s.computed, s.slots = SeqBlocks(), 0, None
+        s.blocks, s.computed = SeqBlocks(), 0
         self.waiting.appendleft(s)
 
     def _run(self, batch: list[Sequence], width: int) -> list[Finished]:
@@ -202,10 +200,7 @@ class EngineCore:
         positions = start[:, None] + torch.arange(t)  # [B, T]
         valid = torch.arange(t)[None, :] < torch.tensor(n)[:, None]
         positions = positions.masked_fill(~valid, 0)  # padding: position 0, never written
-        for s in batch:
-            if s.slots is None:
-                s.slots = pool.slots(s.blocks.table)
-        slots = torch.stack([s.slots for s in batch])  # [B, ctx_len]
+        slots = pool.slots([s.blocks.table for s in batch])  # [B, ctx_len]
         write = slots.gather(1, positions)  # [B, T] the pool slot of each token
         last = torch.tensor(n) - 1
         logits, route = paged_forward(
