@@ -2,6 +2,11 @@
 
     python benchmarks/rollout.py                      # a default training step's rollout: 32 prompts x 8
     python benchmarks/rollout.py --prompts 8 --n 4    # vs_trl.py's batch: 8 prompts x 4 samples
+    python benchmarks/rollout.py --workload variable --json out.json   # static vs continuous vs generate
+
+`--workload variable` (see `variable`): response lengths spread by a sampled stop token, prompts of several
+lengths, n samples each; the previous (static) engine, the continuous engine and transformers `generate` side
+by side in one run, with tokens/s and the KV bytes each engine held at its peak.
 
 The same tiny dense Qwen3 (seed-0 init) and the same prompts, each sampled n times; every sequence
 generates exactly `--new-tokens` tokens (no stop token), so tokens/s = prompts x n x new tokens /
@@ -12,6 +17,7 @@ batch in one call (num_return_sequences=n). Runs alternate; the table shows medi
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -39,6 +45,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32, help="prompts (train_batch_size)")
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (rollout.n)")
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=512, help="variable workload: max_new_tokens")
+    ap.add_argument(
+        "--kv-pool-tokens",
+        type=int,
+        default=8192,
+        help="variable workload: the continuous engine's pool per worker",
+    )
     ap.add_argument("--repeats", type=int, default=7)
     default = OmegaConf.load(CONF / "rollout" / "embedded.yaml")  # the engine as a default run builds it
     ap.add_argument(
@@ -50,7 +63,11 @@ def main() -> None:
         default=default.max_batch_size,
         help="engine batch cap (rollout.max_batch_size)",
     )
+    ap.add_argument("--workload", choices=("fixed", "variable"), default="fixed")
+    ap.add_argument("--json", type=Path, help="write the variable workload's numbers here")
     args = ap.parse_args()
+    if args.workload == "variable":
+        return variable(args)
     from detrl.models.build import build_model
 
     tok = build_tokenizer()
@@ -135,6 +152,77 @@ def main() -> None:
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"| {name} | {med:.4f} | {tokens / med:,.0f} | {base / med:.2f}x |")
+
+
+def variable(args) -> None:
+    """Random prompts of 8..64 tokens x n samples on the default 2-layer shape (seed-0 init), stop token 2 sampled
+    (about 1 in 64 steps: lengths from 1 to --max-new, most short); the same requests through each engine."""
+    from detrl.models.build import build_model
+
+    new, n, prompts = args.max_new, args.n, args.prompts
+    g = torch.Generator().manual_seed(0)
+    lens = [8 + int(x) for x in torch.randint(0, 57, (prompts,), generator=g)]
+    ids = [tuple(int(t) for t in torch.randint(3, 64, (k,), generator=g)) for k in lens]
+    model = build_model(ModelConfig(), seed=0).eval()
+    ctx = -(-(max(lens) + new) // 8) * 8
+    params = SamplingParams(1.0, 1.0, new, (2,))
+    det = setup(True, 0)
+    reqs = [Request(i, j, p, det.sampling_seed(1, i, j)) for i, p in enumerate(ids) for j in range(n)]
+    out: dict = {"tokens_per_s": {}, "kv_bytes_peak": {}, "seconds": {}, "tokens": {}}
+    for name in ("static", "continuous"):
+        pool = args.kv_pool_tokens if name == "continuous" else 0
+        eng = EmbeddedEngine(model, det.ops, ctx, params, seed=0, num_workers=args.workers,
+                             max_batch_size=args.max_batch_size, scheduler=name, kv_pool_tokens=pool)  # fmt: skip
+        eng.generate(reqs[: 2 * n])  # warm-up: the workers start
+        eng.update_weights(model.state_dict())  # as a step does: pools released, prefix cache cleared
+        t = time.perf_counter()
+        res = eng.generate(reqs)
+        sec = time.perf_counter() - t
+        toks = sum(len(r.tokens) for r in res)
+        out["seconds"][name], out["tokens"][name] = sec, toks
+        out["tokens_per_s"][name], out["kv_bytes_peak"][name] = toks / sec, eng.stat("kv_bytes_peak")
+        if name == "continuous":
+            full = (
+                sum((len(p) - 1) // eng.block_size for p in ids) * n
+            )  # prompt blocks n samples would compute
+            out["kv_pool_bytes"] = eng.stat("kv_pool_bytes")
+            out["prefix"] = {"hit_blocks": eng.stat("hit_blocks"), "block_size": eng.block_size,
+                             "preemptions": eng.stat("preemptions"),
+                             "full_prompt_blocks": full}  # fmt: skip
+            out["lengths"] = {"min": min(len(r.tokens) for r in res), "max": max(len(r.tokens) for r in res),
+                              "mean": toks / len(res)}  # fmt: skip
+        eng.close()
+    out["seconds"]["generate"], out["tokens"]["generate"] = _hf_variable(model, ids, n, new)
+    out["tokens_per_s"]["generate"] = out["tokens"]["generate"] / out["seconds"]["generate"]
+    out["ratio"] = {
+        "continuous_vs_static_tokens_per_s": out["tokens_per_s"]["continuous"]
+        / out["tokens_per_s"]["static"],
+        "continuous_vs_static_kv_peak": out["kv_bytes_peak"]["continuous"] / out["kv_bytes_peak"]["static"],
+    }
+    out["workload"] = {"prompts": prompts, "n": n, "max_new_tokens": new, "prompt_lengths": [min(lens), max(lens)],
+                       "workers": args.workers, "max_batch_size": args.max_batch_size, "ctx_len": ctx}  # fmt: skip
+    print(json.dumps(out, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+def _hf_variable(model, ids, n, new) -> tuple[float, int]:
+    """transformers generate on the same prompts (left-padded), stopping rows at token 2; -> (s, tokens)."""
+    width = max(map(len, ids))
+    left = torch.zeros(len(ids), width, dtype=torch.long)
+    attn = torch.zeros_like(left)
+    for i, p in enumerate(ids):
+        left[i, width - len(p) :], attn[i, width - len(p) :] = torch.tensor(p), 1
+    setup(False, 0)
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=left, attention_mask=attn, do_sample=True, max_new_tokens=new,
+                             num_return_sequences=n, eos_token_id=2, pad_token_id=0, top_k=0)  # fmt: skip
+    sec = time.perf_counter() - t
+    gen = out[:, width:]
+    ended = (gen == 2).int().cumsum(-1)
+    tokens = int(((ended == 0) | ((ended == 1) & (gen == 2))).sum())  # up to and including the stop token
+    return sec, tokens
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from detrl.config import ModelConfig
 from detrl.determinism import Determinism, preset
 from detrl.models import BATCH_INVARIANT_OPS, DEFAULT_OPS, build_model
 from detrl.rollout import EmbeddedEngine, Request, SamplingParams
-from detrl.rollout.embedded import _fixed_batches
+from detrl.rollout.batching import fixed_batches as _fixed_batches
 from detrl.rollout.sampling import hashed_uniform, top_p_mask
 
 EOS = 2
@@ -227,5 +227,5 @@ def test_workers_see_each_weight_sync_and_a_dead_worker_is_replaced():
 
 def test_a_request_too_long_for_the_context_fails_in_the_caller_with_one_line():
     eng = _engine()
-    with pytest.raises(ValueError, match="exceeds ctx_len 16"):
+    with pytest.raises(ValueError, match="exceeds ctx_len=16"):
         eng.generate([Request(0, 0, tuple(range(3, 13)), 1)])

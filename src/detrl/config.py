@@ -244,7 +244,13 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 4
     num_workers: int = 2  # engine worker processes (replicas), each batching what is routed to it
-    max_batch_size: int = 128  # requests per engine batch
+    max_batch_size: int = 128  # requests per engine batch (continuous: running sequences per worker)
+    scheduler: str = "continuous"  # continuous (paged KV, prefix sharing) | static (the baseline's batches)
+    block_size: int = 8  # KV tokens per pool block
+    prefill_chunk: int = 64  # prompt tokens a sequence prefills per step
+    kv_pool_tokens: int = (
+        0  # KV tokens per worker pool; 0 = max_batch_size x ctx_len within half the free memory
+    )
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
@@ -549,6 +555,12 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "must be >= 1")
     _check(r.num_workers >= 1, "rollout.num_workers", r.num_workers, "must be >= 1")
     _check(r.max_batch_size >= 1, "rollout.max_batch_size", r.max_batch_size, "must be >= 1")
+    from detrl.rollout.batching import SCHEDULERS
+
+    _choice("rollout.scheduler", r.scheduler, SCHEDULERS)
+    for key in ("block_size", "prefill_chunk"):
+        _check(getattr(r, key) >= 1, f"rollout.{key}", getattr(r, key), "must be >= 1")
+    _check(r.kv_pool_tokens >= 0, "rollout.kv_pool_tokens", r.kv_pool_tokens, "must be >= 0 (0 = auto)")
     _check(
         r.partial.token_budget >= 0,
         "rollout.partial.token_budget",

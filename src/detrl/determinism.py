@@ -5,9 +5,11 @@
 |------------------------------|-----------------------------------------|---------------------------------------------|
 | sampling                     | stream: each worker's RNG stream, in    | seeded: per-sample seed =                   |
 |                              | the order its batches run               | hash(seed, step, uid, idx)                  |
-| routing (requests -> workers | dynamic: first free worker, dynamic     | fixed: submission order in full batches,    |
-|   and ranks)                 | batches; ranks claim prompt groups      | batch j -> worker j mod W; group i -> rank  |
-|                              | from a shared queue                     | i W // G                                    |
+| routing (requests -> workers | dynamic: prompt groups to the worker    | fixed: worker j its j-th contiguous share   |
+|   and ranks: the schedule)   | with the fewest in flight as results    | of groups in one message (its continuous    |
+|                              | return (the running batch's make-up     | batches a function of the requests); group  |
+|                              | follows the timing); ranks claim groups | i -> rank i W // G                          |
+|                              | from a shared queue                     |                                             |
 | kernels                      | default: F.linear / SDPA / F.silu /     | batch_invariant: detrl.models.ops (proven   |
 |                              | grouped MoE (torch's, by device)        | before step 0 by the preflight)             |
 | order (results -> trainer)   | completion: as the engine returns them  | submission: (data position, sample index)   |
@@ -145,7 +147,7 @@ class Determinism:
 
     @property
     def fixed_routing(self) -> bool:
-        """fixed: full batches in submission order, batch j -> worker j mod W; dynamic: first free worker."""
+        """fixed: each worker its contiguous share of the groups at once; dynamic: shortest queue, by timing."""
         return self._on("routing")
 
     @property

@@ -55,45 +55,41 @@ class Evaluator:
         e, det, tok = self.cfg.eval, self.source.det, self.source.tokenizer
         count = min(len(self.task), e.max_prompts or len(self.task))
         problems = self.task.batch(0, count)
-        params = engine.params
-        engine.params = dataclasses.replace(
-            params,
+        params = dataclasses.replace(
+            engine.params,
             temperature=1.0 if e.greedy else e.temperature,
             top_p=GREEDY_TOP_P if e.greedy else e.top_p,
         )
         scores, lengths, clipped, per_prompt = [], [], 0, []
         self.task.pop_errors()  # count this eval's reward errors only
-        try:
-            bar = tqdm(
-                total=count,
-                desc=f"eval@{step}",
-                unit="prompt",
-                leave=False,
-                dynamic_ncols=True,
-                disable=not distributed.is_main(),
-            )  # one bar per run, not per rank
-            for lo in range(0, count, e.batch_prompts):
-                chunk = problems[lo : lo + e.batch_prompts]
-                requests = []
-                for p in chunk:
-                    uid = stable_hash("eval", self.cfg.seed, p.index) & ((1 << 62) - 1)
-                    ids = tuple(self.task.encode(tok, p))
-                    requests += [Request(uid, k, ids, det.eval_seed(uid, k)) for k in range(e.n)]
-                results = det.order(engine.generate(requests), requests)
-                by_uid = {r.uid: r for r in results}
-                for p, i in zip(chunk, range(0, len(requests), e.n)):
-                    rs = [by_uid[req.uid] for req in requests[i : i + e.n]]
-                    s = self.source.score(rs, p.answer, self.task)[
-                        1
-                    ].tolist()  # the task reward, errors counted here
-                    scores += s
-                    per_prompt.append(max(s))
-                    lengths += [len(r.tokens) for r in rs]
-                    clipped += sum(r.finish_reason == "length" for r in rs)
-                bar.update(len(chunk))
-            bar.close()
-        finally:
-            engine.params = params
+        bar = tqdm(
+            total=count,
+            desc=f"eval@{step}",
+            unit="prompt",
+            leave=False,
+            dynamic_ncols=True,
+            disable=not distributed.is_main(),
+        )  # one bar per run, not per rank
+        for lo in range(0, count, e.batch_prompts):
+            chunk = problems[lo : lo + e.batch_prompts]
+            requests = []
+            for p in chunk:
+                uid = stable_hash("eval", self.cfg.seed, p.index) & ((1 << 62) - 1)
+                ids = tuple(self.task.encode(tok, p))
+                requests += [Request(uid, k, ids, det.eval_seed(uid, k)) for k in range(e.n)]
+            results = det.order(engine.generate(requests, params), requests)
+            by_uid = {r.uid: r for r in results}
+            for p, i in zip(chunk, range(0, len(requests), e.n)):
+                rs = [by_uid[req.uid] for req in requests[i : i + e.n]]
+                s = self.source.score(rs, p.answer, self.task)[
+                    1
+                ].tolist()  # the task reward, errors counted here
+                scores += s
+                per_prompt.append(max(s))
+                lengths += [len(r.tokens) for r in rs]
+                clipped += sum(r.finish_reason == "length" for r in rs)
+            bar.update(len(chunk))
+        bar.close()
         return {
             "eval/accuracy": sum(scores) / len(scores),
             "eval/pass_at_n": sum(per_prompt) / len(per_prompt),

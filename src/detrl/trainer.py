@@ -33,7 +33,7 @@ from detrl.loss_scale import LossScaler
 from detrl.models import preflight
 from detrl.models.build import build_model, checkpoint_architecture
 from detrl.models.forward import rope_tables
-from detrl.rollout import EmbeddedEngine, SamplingParams
+from detrl.rollout import SamplingParams
 from detrl.rollout.partial import PartialBuffer
 from detrl.rollout.ranks import RankEngine
 from detrl.tracking import Tracker
@@ -223,29 +223,9 @@ def make_engine(
                 f"algo.routing_replay=True is not valid: the CUDA engine (device={det.device.type}) "
                 "does not record expert ids (use device=cpu)"
             )
-        from detrl.rollout.cuda import CudaEngine
+    from detrl.rollout.registry import build_engine
 
-        return CudaEngine(
-            model,
-            det.ops,
-            ctx_len,
-            sampling,
-            seed=cfg.seed,
-            max_batch_size=r.max_batch_size,
-            fixed_routing=det.fixed_routing,
-            device=det.device,
-            dtype=det.dtype,
-        )
-    return EmbeddedEngine(
-        model,
-        det.ops,
-        ctx_len,
-        sampling,
-        seed=cfg.seed,
-        num_workers=r.num_workers,
-        max_batch_size=r.max_batch_size,
-        fixed_routing=det.fixed_routing,
-    )
+    return build_engine("embedded", det.device.type, model, det, ctx_len, sampling, cfg.seed, r)
 
 
 def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, float]:

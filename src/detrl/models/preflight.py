@@ -5,6 +5,8 @@
   batch of another size: every row's logprobs must be equal;
 - phases: the sampler's prefill + KV-cache decode of a sequence vs the trainer's forward over it: the logprob
   of every decoded token must be equal (trainer == rollout, bitwise).
+- paged: the continuous engine's chunked prefill + decode through a paged KV pool (scrambled block tables) vs
+  the trainer's forward (CPU);
 - gemm shapes: every distinct gemm weight shape (K, N) of the model (q/k/v, o, gate/up, down, router, lm_head,
   and the MoE block as a whole) over a spread of row counts (`ROWS`: 1..17, odd sizes, the engine's bucket
   sizes and their neighbours, at two offsets): the rows of each call must equal the same rows of one large call.
@@ -149,7 +151,48 @@ def check(
             f"prefill + decode vs the trainer's forward: logprobs differ (max diff "
             f"{(decoded - want).abs().max().item():.3g})"
         )
-    return found
+    return found + check_paged(weights, ops, ctx_len, rope, ids, full, prompt_len)
+
+
+@torch.no_grad()
+def check_paged(weights: Weights, ops: Ops, ctx_len: int, rope, ids, full, prompt_len: int) -> list[str]:
+    """The continuous engine's path (CPU): the prompt prefilled in chunks of 2 through a paged pool whose block
+    tables are interleaved and reversed, then decoded; every decoded logprob must equal the trainer's `full`."""
+    if weights.embed.device.type != "cpu":
+        return []
+    from detrl.rollout.paged import KVPool, paged_forward
+
+    b, size = ids.shape[0], 4
+    per = -(-ctx_len // size)
+    pool = KVPool(weights.config, b * per, size, weights.embed.dtype, ctx_len)
+    slots = pool.slots([[j * b + i for j in reversed(range(per))] for i in range(b)])
+    steps, p, got = min(ctx_len, prompt_len + 6), 0, []
+    while p < steps - 1:
+        n = min(2, prompt_len - p) if p < prompt_len else 1
+        pos = torch.arange(p, p + n).expand(b, n)
+        valid = torch.ones(b, n, dtype=torch.bool)
+        last = torch.full((b,), n - 1)
+        logits, _ = paged_forward(
+            weights,
+            ids[:, p : p + n],
+            pos,
+            ops,
+            ctx_len,
+            rope,
+            pool,
+            slots.gather(1, pos),
+            valid,
+            slots,
+            last,
+        )
+        p += n
+        if p >= prompt_len:
+            got.append(_logprobs_of(logits, ids[:, p]))
+    got, want = torch.stack(got, 1), full[:, prompt_len - 1 : steps - 1]
+    if torch.equal(got, want):
+        return []
+    return [f"paged chunked prefill + decode vs the trainer's forward: logprobs differ (max diff "
+            f"{(got - want).abs().max().item():.3g})"]  # fmt: skip
 
 
 def require(weights: Weights, ops: Ops, ctx_len: int, rope, **kw) -> None:

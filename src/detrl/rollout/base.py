@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -66,3 +69,30 @@ def cut_results(
             Result(r, row[:n], logprobs[i][:n], reason, None if experts is None else experts[i, :n].copy())
         )
     return out
+
+
+class Engine(Protocol):
+    """What the trainer, the evaluator and the server call; every engine implements it."""
+
+    generator: torch.Generator  # the stream of unseeded requests (a checkpoint saves its state)
+    params: SamplingParams  # the sampling a call without its own uses (read-only to callers)
+
+    def generate(
+        self,
+        requests: list[Request],
+        params: SamplingParams | None = None,
+        stop_when: Callable[[list[Result]], bool] | None = None,
+    ) -> list[Result]:
+        """Sample every request with `params` (None: the engine's own); fixed routing returns results in request
+        order, else in completion order. stop_when: cut the call once it is true of the results so far."""
+        ...
+
+    def update_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The policy's new weights: a state dict or (name, tensor) pairs."""
+        ...
+
+    def abort(self) -> None:
+        """Cut the call in flight: running requests return what they sampled, queued ones nothing."""
+        ...
+
+    def close(self) -> None: ...

@@ -27,7 +27,7 @@ from detrl.models.forward import KVCache, fuse, layer_post, layer_pre, log_probs
 from detrl.models.forward import forward as model_forward
 from detrl.models.ops import Ops, moe_dispatch
 from detrl.rollout.base import Request, Result, SamplingParams, cut_results
-from detrl.rollout.embedded import _check_fits, _fixed_batches
+from detrl.rollout.batching import check_fits, fixed_batches
 from detrl.rollout.sampling import gumbel, hashed_gumbel, sample, seed_key
 
 
@@ -116,18 +116,31 @@ class CudaEngine:
         self._slots.clear()
 
     # --- generation
-    def generate(self, requests: list[Request], stop_when=None) -> list[Result]:
+    def generate(
+        self, requests: list[Request], params: SamplingParams | None = None, stop_when=None
+    ) -> list[Result]:
+        """As EmbeddedEngine.generate; `params` (None: the engine's) for this call only."""
+        default, self.params = self.params, params or self.params
+        try:
+            return self._generate(requests, stop_when)
+        finally:
+            self.params = default
+
+    def abort(self) -> None:
+        """A single-device call runs to the end of its batch; nothing to cut between batches."""
+
+    def _generate(self, requests: list[Request], stop_when=None) -> list[Result]:
         self.batch_log = []
         if not requests:
             return []
         if self.fixed_routing and stop_when is not None:
             raise ValueError("stop_when needs dynamic routing; with fixed routing cut by token budget")
-        _check_fits(requests, self.params, self.ctx_len)
+        check_fits(requests, self.params, self.ctx_len)
         stream_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         torch.cuda.manual_seed(stream_seed)  # this call's draws for unseeded requests (graphs replay from it)
         indexed = list(enumerate(requests))
         if self.fixed_routing:
-            batches = _fixed_batches(indexed, 1, self.max_batch_size)
+            batches = fixed_batches(indexed, 1, self.max_batch_size)
         else:  # prompt groups in arrival order, as many as fit a batch
             batches = []
             for i, r in indexed:

@@ -41,7 +41,7 @@ class RankEngine:
     def params(self, value):
         self.engine.params = value
 
-    def generate(self, requests: list[Request], stop_when=None) -> list[Result]:
+    def generate(self, requests: list[Request], params=None, stop_when=None) -> list[Result]:
         if stop_when is not None:
             raise ValueError("a cut (stop_when) is single-process only")
         self._call += 1
@@ -55,21 +55,21 @@ class RankEngine:
         if owners is not None:
             mine = [i for g, o in zip(groups, owners) if o == self.rank for i in g]
             if mine:
-                self._run(requests, mine, done)
+                self._run(requests, mine, done, params)
         else:
             size = max(1, -(-len(groups) // (2 * self.world)))  # about two claims per rank
             counter = f"{self._prefix}/{self._call}"
             while (c := self.dist.store().add(counter, 1) - 1) * size < len(
                 groups
             ):  # claim, generate, repeat
-                self._run(requests, [i for g in groups[c * size : (c + 1) * size] for i in g], done)
+                self._run(requests, [i for g in groups[c * size : (c + 1) * size] for i in g], done, params)
         gathered = sorted(x for part in self.dist.all_gather_object(done) for x in part)
         if owners is not None:  # submission order
             gathered.sort(key=lambda x: x[3][0])
         return [Result(requests[i], *out) for *_, (i, *out) in gathered]
 
-    def _run(self, requests, idx: list[int], done: list) -> None:
-        results = self.engine.generate([requests[i] for i in idx])
+    def _run(self, requests, idx: list[int], done: list, params) -> None:
+        results = self.engine.generate([requests[i] for i in idx], params)
         t = time.time()
         pos = {id(requests[i]): i for i in idx}
         done += [

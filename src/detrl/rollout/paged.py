@@ -1,0 +1,178 @@
+"""Paged KV: one pool of fixed-size blocks, a block table per sequence, hashed full blocks shared by reference.
+
+As nano-vllm's block manager: a full block is keyed by a chain hash of its tokens and every token before it (a
+token's keys and values depend on those only, for fixed weights), so the n samples of a prompt and a partial
+rollout's continuation find the blocks already computed and take a reference instead of recomputing them. A
+block whose count drops to 0 goes back to the free list but keeps its hash until it is handed out again.
+Attention reads the pool through the block table: each row's `ctx_len` key slots are gathered (slots past
+the sequence point at a zero block) and the op set's attention runs over all of them under the mask, exactly
+as the trainer's whole-sequence pass and the static engine's cache do, so the bits do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from detrl.models.forward import Weights, layer_post, layer_pre
+from detrl.models.ops import Ops
+
+
+@dataclass
+class Block:
+    ref: int = 0
+    hash: int | None = None  # set once the block is full and its KV written
+    tokens: tuple[int, ...] = ()  # the tokens it holds (a hash hit is checked against them)
+
+
+@dataclass
+class SeqBlocks:
+    """A sequence's block table and the pool slots of its ctx_len positions."""
+
+    table: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # the chain hash of each full block so far
+
+
+class KVPool:
+    """Per layer K and V [blocks + 1, block_size, Hkv, D]; block `blocks` stays zero (unused key slots)."""
+
+    def __init__(self, config, blocks: int, block_size: int, dtype: torch.dtype, ctx_len: int):
+        self.blocks, self.block_size, self.ctx_len = blocks, block_size, ctx_len
+        self.hkv, self.size = config.num_key_value_heads, (blocks + 1) * block_size  # slots per head
+        shape = (self.hkv * self.size, config.head_dim)  # head-major: a row's gather is one copy
+        layers = config.num_hidden_layers
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self.block_bytes = 2 * layers * block_size * self.hkv * shape[1] * self.k[0].element_size()
+        self._heads = torch.arange(self.hkv) * self.size  # [Hkv] offset of each head's slots
+
+    def slots(self, tables: list[list[int]]) -> torch.Tensor:
+        """[B, ctx_len] pool slot of each position of sequences with these block tables (the zero block past
+        their blocks), one tensor op for the batch."""
+        width = -(-self.ctx_len // self.block_size)
+        padded = torch.tensor([t[:width] + [self.blocks] * (width - len(t)) for t in tables])  # [B, blocks]
+        return (padded[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten(1)[
+            :, : self.ctx_len
+        ]
+
+    def plan(self, write: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor) -> tuple:
+        """The flat indices one step's layers share: where tokens [B, T] (where `valid`) write, what rows
+        [B, ctx_len] read, per head."""
+        w = write[:, None, :] + self._heads[None, :, None]  # [B, Hkv, T]
+        mask = valid[:, None, :].expand_as(w).reshape(-1)
+        read = slots[:, None, :] + self._heads[None, :, None]  # [B, Hkv, ctx_len]
+        return w.reshape(-1)[mask], mask, read
+
+    def write_read(self, layer: int, k, v, plan: tuple):
+        """Write k, v [B, Hkv, T, D] at the plan's slots, then gather keys, values [B, Hkv, ctx_len, D]."""
+        idx, mask, read = plan
+        d = k.shape[-1]
+        self.k[layer].index_copy_(0, idx, k.reshape(-1, d)[mask])
+        self.v[layer].index_copy_(0, idx, v.reshape(-1, d)[mask])
+        flat, shape = read.reshape(-1), (*read.shape, d)
+        return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(
+            shape
+        )
+
+
+class BlockManager:
+    """Allocation, reference counts and the hash table of full blocks over one pool's block ids."""
+
+    def __init__(self, blocks: int, block_size: int):
+        self.block_size = block_size
+        self.blocks = [Block() for _ in range(blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(blocks))  # oldest freed first
+        self.by_hash: dict[int, int] = {}
+        self.used_peak = 0
+
+    @staticmethod
+    def chain(prev: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((0 if prev is None else prev, tokens))
+
+    def used(self) -> int:
+        return len(self.blocks) - len(self.free)
+
+    def chain_of(self, tokens: list[int]) -> list[int]:
+        """The chain hash of each full block of `tokens`."""
+        out, prev, bs = [], None, self.block_size
+        for j in range(len(tokens) // bs):
+            prev = self.chain(prev, tuple(tokens[j * bs : (j + 1) * bs]))
+            out.append(prev)
+        return out
+
+    def cached(self, chain: list[int], tokens: list[int]) -> list[int]:
+        """Ids of the longest run of computed blocks under these chain hashes (their tokens checked)."""
+        out, bs = [], self.block_size
+        for j, h in enumerate(chain):
+            bid = self.by_hash.get(h)
+            if bid is None or self.blocks[bid].tokens != tuple(tokens[j * bs : (j + 1) * bs]):
+                break
+            out.append(bid)
+        return out
+
+    def take(self, bid: int) -> None:
+        """One more reference to a cached block (out of the free list if it was there)."""
+        self.blocks[bid].ref += 1
+        self.free.pop(bid, None)
+        self.used_peak = max(self.used_peak, self.used())
+
+    def allocate(self) -> int:
+        bid, _ = self.free.popitem(last=False)
+        blk = self.blocks[bid]
+        if blk.hash is not None and self.by_hash.get(blk.hash) == bid:
+            del self.by_hash[blk.hash]
+        blk.ref, blk.hash, blk.tokens = 1, None, ()
+        self.used_peak = max(self.used_peak, self.used())
+        return bid
+
+    def release(self, table: list[int]) -> None:
+        for bid in reversed(table):  # the tail first: it is the least likely to be shared again
+            blk = self.blocks[bid]
+            blk.ref -= 1
+            if blk.ref == 0:
+                self.free[bid] = None
+
+    def publish(self, bid: int, prev: int | None, tokens: tuple[int, ...]) -> int:
+        """Mark a full, computed block as cached under its chain hash; -> the hash."""
+        h = self.chain(prev, tokens)
+        blk = self.blocks[bid]
+        blk.hash, blk.tokens = h, tokens
+        self.by_hash.setdefault(h, bid)
+        return h
+
+    def clear(self) -> None:
+        """Forget every cached block (the weights changed)."""
+        self.by_hash.clear()
+        for blk in self.blocks:
+            blk.hash, blk.tokens = None, ()
+
+
+def paged_forward(
+    w: Weights, tokens, positions, ops: Ops, ctx_len: int, rope, pool: KVPool, write, valid, slots, last
+):
+    """`forward` over the paged cache: tokens [B, T] at positions [B, T] (right-padded where not `valid`), their
+    KV written at `write` [B, T], attention over each row's slots [B, ctx_len]. -> (logits [B, V] at `last`
+    [B], ids [B, layers, k] the experts each layer chose at `last`, None when dense)."""
+    c = w.config
+    b = tokens.shape[0]
+    cos, sin = rope
+    rot = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, T, 1, D]
+    mask = torch.arange(ctx_len)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]
+    eps, hd = c.rms_norm_eps, c.head_dim
+    top_k, norm_topk = getattr(c, "num_experts_per_tok", 0), getattr(c, "norm_topk_prob", False)
+    h = w.embed[tokens]  # [B, T, H]
+    rows = torch.arange(b)
+    plan = pool.plan(write, valid, slots)
+    chosen = []
+    for i, lw in enumerate(w.layers):
+        q, k, v = layer_pre(h, lw.input_norm, lw.qkv, lw.qk_norm, *rot, ops, c.num_attention_heads, hd, eps)
+        keys, values = pool.write_read(i, k, v, plan)
+        h, ids = layer_post(
+            h, q, keys, values, mask, lw.o, lw.post_norm, lw.gate_up, lw.down, lw.router,
+            ops, top_k, norm_topk, hd, eps,
+        )  # fmt: skip
+        chosen.append(None if ids is None else ids.view(b, -1, ids.shape[-1])[rows, last])
+    h = ops.norm(h[rows, last], w.norm, eps)
+    return ops.linear(h, w.lm_head), (None if chosen[0] is None else torch.stack(chosen, 1))

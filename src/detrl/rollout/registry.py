@@ -1,0 +1,64 @@
+"""Rollout engines by (backend, device type): where a run's engine is built from its config."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from detrl.rollout.base import Engine
+
+ENGINES: dict[tuple[str, str], Callable[..., Engine]] = {}
+
+
+def register(backend: str, device: str):
+    def add(build: Callable[..., Engine]) -> Callable[..., Engine]:
+        ENGINES[(backend, device)] = build
+        return build
+
+    return add
+
+
+@register("embedded", "cpu")
+def _cpu(model, det, ctx_len: int, sampling, seed: int, rollout) -> Engine:
+    from detrl.rollout.embedded import EmbeddedEngine
+
+    return EmbeddedEngine(
+        model,
+        det.ops,
+        ctx_len,
+        sampling,
+        seed=seed,
+        num_workers=rollout.num_workers,
+        max_batch_size=rollout.max_batch_size,
+        fixed_routing=det.fixed_routing,
+        scheduler=rollout.scheduler,
+        block_size=rollout.block_size,
+        prefill_chunk=rollout.prefill_chunk,
+        kv_pool_tokens=rollout.kv_pool_tokens,
+    )
+
+
+@register("embedded", "cuda")
+def _cuda(model, det, ctx_len: int, sampling, seed: int, rollout) -> Engine:
+    from detrl.rollout.cuda import CudaEngine
+
+    return CudaEngine(
+        model,
+        det.ops,
+        ctx_len,
+        sampling,
+        seed=seed,
+        max_batch_size=rollout.max_batch_size,
+        fixed_routing=det.fixed_routing,
+        device=det.device,
+        dtype=det.dtype,
+    )
+
+
+def build_engine(backend: str, device: str, *args, **kwargs) -> Engine:
+    """The engine registered for (backend, device); one line naming the valid pairs otherwise."""
+    if (backend, device) not in ENGINES:
+        pairs = ", ".join(f"{b}/{d}" for b, d in ENGINES)
+        raise ValueError(
+            f"no rollout engine for backend={backend!r} on device={device!r}; registered: {pairs}"
+        )
+    return ENGINES[(backend, device)](*args, **kwargs)

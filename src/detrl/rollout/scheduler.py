@@ -1,0 +1,286 @@
+"""One engine core: a scheduler with waiting / running queues over a paged KV pool (continuous batching).
+
+nano-vllm's loop, schedule -> run -> postprocess, one `step` at a time: waiting sequences are admitted while
+the running set has room and the pool has blocks (their cached prefix blocks taken by reference); every step
+runs one prefill call over the sequences still prefilling (at most `chunk` tokens each: a long prompt does not
+stall decoding) and one decode call over the rest; a sequence leaves the moment it samples a stop token or
+reaches its limit. A sequence that needs a block when none is free preempts the newest running one (its blocks
+released, recomputed later from its tokens, as vLLM's recompute preemption). A sequence whose next prefix
+block another sequence is computing right now waits for it (the samples of a group share the prompt's blocks).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from detrl.models.forward import Weights, log_probs, rope_tables
+from detrl.models.ops import Ops
+from detrl.rollout.base import Request, SamplingParams
+from detrl.rollout.paged import BlockManager, KVPool, SeqBlocks, paged_forward
+from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
+
+
+@dataclass(eq=False)  # compared by identity
+class Sequence:
+    key: object  # the caller's handle, returned with the result
+    request: Request
+    params: SamplingParams
+    tokens: list[int]  # prompt + prefix + sampled so far
+    context: int  # len(prompt + prefix): sampled tokens start here
+    limit: int  # new tokens allowed in this call
+    room: int  # new tokens left before "length"
+    computed: int = 0  # tokens whose KV is in the pool
+    blocks: SeqBlocks = field(default_factory=SeqBlocks)
+    chain: list[int] = field(default_factory=list)  # chain hashes of the full blocks before the last token
+    logprobs: list[float] = field(default_factory=list)
+    experts: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def sampled(self) -> list[int]:
+        return self.tokens[self.context :]
+
+
+@dataclass
+class Finished:
+    key: object
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    routed_experts: np.ndarray | None
+
+
+class EngineCore:
+    """The scheduler, the block manager and the model runner of one replica (one process, one pool)."""
+
+    def __init__(
+        self,
+        weights: Weights,
+        ops: Ops,
+        ctx_len: int,
+        blocks: int,
+        block_size: int,
+        chunk: int,
+        max_running: int,
+        generator: torch.Generator | None = None,
+        prefix_cache: bool = True,
+    ):
+        need = -(-ctx_len // block_size)
+        if blocks < need:
+            raise ValueError(
+                f"kv pool of {blocks} blocks of {block_size}: one sequence of ctx_len={ctx_len} needs {need}"
+            )
+        self.weights, self.ops, self.ctx_len = weights, ops, ctx_len
+        self.block_size, self.chunk, self.max_running, self.num_blocks = (
+            block_size,
+            chunk,
+            max_running,
+            blocks,
+        )
+        self.rope = rope_tables(weights.config, ctx_len, dtype=weights.embed.dtype)
+        self.generator = generator or torch.Generator().manual_seed(0)
+        self.pool: KVPool | None = None
+        self.manager = BlockManager(blocks, block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefix_cache = prefix_cache  # False: every sequence prefills its whole context (cold)
+        self.steps, self.computed_tokens = 0, 0  # steps run, tokens forwarded (prefill + decode)
+        self.hit_blocks, self.preemptions = 0, 0  # blocks taken from the prefix cache; sequences preempted
+
+    def add(self, key, request: Request, params: SamplingParams) -> None:
+        ctx = list(request.prompt_ids + request.prefix)
+        room = params.max_new_tokens - len(request.prefix)
+        limit = room if request.max_new_tokens is None else min(room, request.max_new_tokens)
+        self.waiting.append(Sequence(key, request, params, ctx, len(ctx), limit, room))
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def release(self) -> None:
+        """Free the pool and forget the prefix cache (between rollouts: the weights are about to change)."""
+        assert self.idle(), "release with sequences in flight"
+        self.pool = None
+        self.manager = BlockManager(self.num_blocks, self.block_size)
+        self.computed_tokens = self.hit_blocks = self.preemptions = 0  # stats since the last release
+
+    def stats(self) -> dict[str, int]:
+        """KV bytes held at the peak, the pool's bytes, prefix-cache hits, tokens forwarded."""
+        block = self.pool.block_bytes if self.pool else 0
+        return {
+            "kv_bytes_peak": self.manager.used_peak * block,
+            "kv_pool_bytes": self.num_blocks * block,
+            "hit_blocks": self.hit_blocks,
+            "computed_tokens": self.computed_tokens,
+            "preemptions": self.preemptions,
+        }
+
+    def abort(self) -> list[Finished]:
+        """Every sequence out now, as "abort" with what it sampled (unstarted ones with nothing)."""
+        out = [self._finish(s, "abort") for s in [*self.running, *self.waiting]]
+        self.running, self.waiting = [], deque()
+        return out
+
+    @torch.no_grad()
+    def step(self) -> list[Finished]:
+        """Admit, run one prefill call and one decode call, and return the sequences that finished."""
+        if self.pool is None:
+            self.pool = KVPool(
+                self.weights.config, self.num_blocks, self.block_size, self.weights.embed.dtype, self.ctx_len
+            )
+        done = [self._finish(s, "length" if s.room <= 0 else "abort") for s in self._admit() if s.limit <= 0]
+        self.running = [s for s in self.running if s.limit > 0]
+        prefill = [s for s in self.running if len(s.tokens) - s.computed > 1]
+        decode = [s for s in self.running if len(s.tokens) - s.computed == 1]
+        for batch, width in ((prefill, self.chunk), (decode, 1)):
+            batch = self._reserve(batch, width)
+            if batch:
+                done += self._run(batch, width)
+        self.steps += 1
+        return done
+
+    def _admit(self) -> list[Sequence]:
+        """Waiting sequences into the running set, in arrival order, while there is room and blocks."""
+        admitted, deferred, bs = [], deque(), self.block_size
+        inflight = {
+            h for s in self.running for h in s.chain[s.computed // bs :]
+        }  # prefix blocks being computed
+        while self.waiting and len(self.running) < self.max_running:
+            s = self.waiting.popleft()
+            s.chain = self.manager.chain_of(s.tokens[: len(s.tokens) - 1])
+            cached = self.manager.cached(s.chain, s.tokens) if self.prefix_cache else []
+            if self.prefix_cache and len(cached) < len(s.chain) and s.chain[len(cached)] in inflight:
+                deferred.append(s)  # its next prefix block is being computed: take it by reference later
+                continue
+            need = -(-len(s.tokens) // bs) - len(cached)
+            if len(self.manager.free) - sum(self.manager.blocks[b].ref == 0 for b in cached) < need:
+                self.waiting.appendleft(s)
+                break
+            for bid in cached:
+                self.manager.take(bid)
+            self.hit_blocks += len(cached)
+            s.blocks = SeqBlocks(list(cached), s.chain[: len(cached)])
+            s.computed = len(cached) * bs
+            self.running.append(s)
+            admitted.append(s)
+            inflight.update(s.chain[len(cached) :])
+        self.waiting.extendleft(reversed(deferred))
+        return admitted
+
+    def _reserve(self, batch: list[Sequence], width: int) -> list[Sequence]:
+        """Blocks for each row's next `width` tokens; when the pool is out, preempt the newest running."""
+        preempted = {id(s) for s in batch} - {id(s) for s in self.running}  # out since the batch was made
+        for s in batch:
+            end = min(len(s.tokens), s.computed + width)
+            while id(s) not in preempted and len(s.blocks.table) * self.block_size < end:
+                if self.manager.free:
+                    s.blocks.table.append(self.manager.allocate())
+                else:
+                    preempted.add(id(self.running[-1]))
+                    self._preempt(self.running[-1])
+        return [s for s in batch if id(s) not in preempted]
+
+    def _preempt(self, s: Sequence) -> None:
+        self.preemptions += 1
+        self.running.remove(s)
+        self.manager.release(s.blocks.table)
+        s.blocks, s.computed = SeqBlocks(), 0
+        self.waiting.appendleft(s)
+
+    def _run(self, batch: list[Sequence], width: int) -> list[Finished]:
+        """One forward over the rows' next <= width tokens; rows whose context is then computed sample."""
+        pool = self.pool
+        n = [min(width, len(s.tokens) - s.computed) for s in batch]
+        t = max(n)
+        rows = [s.tokens[s.computed : s.computed + k] + [0] * (t - k) for s, k in zip(batch, n)]
+        tokens = torch.tensor(rows, dtype=torch.long)  # right-padded [B, T]
+        start = torch.tensor([s.computed for s in batch])
+        positions = start[:, None] + torch.arange(t)  # [B, T]
+        valid = torch.arange(t)[None, :] < torch.tensor(n)[:, None]
+        positions = positions.masked_fill(~valid, 0)  # padding: position 0, never written
+        slots = pool.slots([s.blocks.table for s in batch])  # [B, ctx_len]
+        write = slots.gather(1, positions)  # [B, T] the pool slot of each token
+        last = torch.tensor(n) - 1
+        logits, route = paged_forward(
+            self.weights,
+            tokens,
+            positions,
+            self.ops,
+            self.ctx_len,
+            self.rope,
+            pool,
+            write,
+            valid,
+            slots,
+            last,
+        )
+        self.computed_tokens += sum(n)
+        for i, s in enumerate(batch):
+            s.computed += n[i]
+            self._publish(s)
+        ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
+        return self._sample([batch[i] for i in ready], logits[ready], None if route is None else route[ready])
+
+    def _publish(self, s: Sequence) -> None:
+        """Cache the sequence's blocks that are now full and computed (shared by later sequences)."""
+        bs, h = self.block_size, s.blocks.hashes
+        for j in range(len(h), s.computed // bs):
+            h.append(
+                self.manager.publish(
+                    s.blocks.table[j], h[-1] if h else None, tuple(s.tokens[j * bs : (j + 1) * bs])
+                )
+            )
+
+    def _sample(
+        self, rows: list[Sequence], logits: torch.Tensor, route: torch.Tensor | None
+    ) -> list[Finished]:
+        """The next token of each row (rows grouped by their sampling params), and the rows that finish."""
+        done = []
+        groups: dict[tuple[float, float], list[int]] = {}
+        for i, s in enumerate(rows):
+            groups.setdefault((s.params.temperature, s.params.top_p), []).append(i)
+        for (temperature, top_p), idx in groups.items():
+            logp = log_probs(logits[idx], temperature)  # [G, V]
+            tok = sample(logp, self._noise([rows[i] for i in idx], logp.shape[-1]), top_p)
+            lp = logp.gather(-1, tok[:, None]).squeeze(-1).tolist()
+            experts = None if route is None else route[idx].to(torch.int16).numpy()
+            for j, (i, t) in enumerate(zip(idx, tok.tolist())):
+                s = rows[i]
+                s.tokens.append(t)
+                s.logprobs.append(lp[j])
+                if experts is not None:
+                    s.experts.append(experts[j])
+                n = len(s.tokens) - s.context
+                reason = (
+                    "stop"
+                    if t in s.params.stop_token_ids
+                    else "length"
+                    if n >= s.room
+                    else "abort"
+                    if n >= s.limit
+                    else None
+                )
+                if reason is not None:
+                    self.running.remove(s)
+                    done.append(self._finish(s, reason))
+        return done
+
+    def _noise(self, rows: list[Sequence], vocab: int) -> torch.Tensor:
+        """Gumbel noise [G, V]: seeded rows hash (seed, position, vocab id); the others draw from the stream."""
+        out = torch.empty(len(rows), vocab, dtype=torch.float64)
+        seeded = [i for i, s in enumerate(rows) if s.request.seed is not None]
+        if seeded:
+            seeds = torch.tensor([rows[i].request.seed for i in seeded])
+            out[seeded] = hashed_gumbel(seeds, torch.tensor([len(rows[i].tokens) for i in seeded]), vocab)
+        rest = [i for i, s in enumerate(rows) if s.request.seed is None]
+        if rest:
+            out[rest] = stream_gumbel(self.generator, (len(rest),), vocab)
+        return out
+
+    def _finish(self, s: Sequence, reason: str) -> Finished:
+        self.manager.release(s.blocks.table)
+        s.blocks = SeqBlocks()
+        experts = np.stack(s.experts) if s.experts else None
+        return Finished(s.key, list(s.sampled), list(s.logprobs), reason, experts)

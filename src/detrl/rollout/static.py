@@ -1,0 +1,247 @@
+"""The static baseline: each batch prefills together and decodes in lock step until its last row ends.
+
+Rows are right-padded to the batch's longest context, every row holds a `[Hkv, ctx_len, D]` cache slab per layer
+for the whole batch, finished rows keep computing until the batch ends, and a prompt's n samples each prefill and
+store it again. Kept as the benchmark baseline and as `rollout.scheduler=static`: the schedule is fixed by the
+batch cut alone (no arrival order, no preemption), which isolates what continuous batching changes.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+
+import torch
+
+from detrl.models.forward import KVCache, Weights, forward, log_probs, rope_tables
+from detrl.models.ops import Ops
+from detrl.rollout.base import Request, Result, SamplingParams, cut_results
+from detrl.rollout.batching import check_fits
+from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
+
+_NOISE_CHUNK = 16  # decode steps whose sampling noise is drawn at once ...
+_NOISE_ELEMENTS = (
+    2**22
+)  # ... while [B, steps, V] stays under this many values (a real vocab: 1 step at a time)
+POLL_S = 1.0  # how often a waiting worker checks that its engine is alive
+
+
+class Sampler:
+    """One replica's batch sampler: the shared weights, the ops, a stream for unseeded requests."""
+
+    def __init__(
+        self,
+        weights: Weights,
+        ops: Ops,
+        ctx_len: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        abort,
+    ):
+        self.weights, self.ops, self.ctx_len, self.params = weights, ops, ctx_len, params
+        self.rope = rope_tables(
+            weights.config, ctx_len, dtype=weights.embed.dtype
+        )  # the trainer's: the compute dtype
+        self.generator = generator
+        self.abort = abort  # set: a running batch stops at its next token
+        self.kv_bytes_peak = 0  # the largest batch cache held so far
+
+    @torch.no_grad()
+    def run_batch(self, requests: list[Request]) -> list[Result]:
+        """Sample (or continue) a response for each request of one engine batch, in request order.
+
+        A request with a `prefix` continues that partial response: prompt + prefix are prefilled with
+        the current weights. It may generate up to `request.max_new_tokens` tokens in this call
+        (finish "abort" when cut there unfinished), and up to `params.max_new_tokens` in all ("length").
+        """
+        p = self.params
+        b = len(requests)
+        ctxs = [r.prompt_ids + r.prefix for r in requests]
+        lens = torch.tensor([len(c) for c in ctxs])  # [B]
+        room = [p.max_new_tokens - len(r.prefix) for r in requests]  # tokens left before "length"
+        limit = [
+            min(m, r.max_new_tokens) if r.max_new_tokens is not None else m for m, r in zip(room, requests)
+        ]
+        check_fits(requests, p, self.ctx_len)
+        prompts = torch.zeros(b, int(lens.max()), dtype=torch.long)  # right-padded [B, P]
+        for i, c in enumerate(ctxs):
+            prompts[i, : len(c)] = torch.tensor(c)
+        seeded = [r.seed is not None for r in requests]
+        if any(seeded) and not all(seeded):
+            raise ValueError("a batch mixes seeded and unseeded requests")
+        seeds = torch.tensor([r.seed for r in requests]) if all(seeded) else None
+        stops = torch.tensor(p.stop_token_ids) if p.stop_token_ids else None
+
+        cache = KVCache.empty(self.weights.config, b, self.ctx_len, self.weights.embed.dtype)
+        self.kv_bytes_peak = max(
+            self.kv_bytes_peak, sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+        )
+        last, ids = forward(
+            self.weights, prompts, self.ops, self.ctx_len, self.rope, cache=cache, last=lens - 1, routes=True
+        )  # [B, V]; MoE: [B, P, layers, k] (dense: None)
+        route = (
+            None if ids is None else ids[torch.arange(b), lens - 1]
+        )  # [B, layers, k]: the pass sampling next
+        steps = max(limit)
+        tokens = torch.empty(b, max(steps, 1), dtype=torch.long)  # [B, T]
+        logps = torch.empty(b, max(steps, 1))
+        experts = (
+            None if route is None else torch.empty(b, max(steps, 1), *route.shape[1:], dtype=torch.int16)
+        )
+        stopped = torch.zeros(b, dtype=torch.bool)  # rows that sampled a stop token
+        finished_by = torch.tensor(limit)  # [B] row i is finished after step t once t + 1 >= limit[i]
+        sampled = 0  # steps run
+        # seeded noise is a hash of (seed, position, vocab id): the chunking changes no bit
+        chunk = max(1, min(_NOISE_CHUNK, _NOISE_ELEMENTS // (b * self.weights.config.vocab_size)))
+        for t in range(steps):
+            if self.abort.is_set():
+                break
+            if t % chunk == 0:  # the next chunk of steps' noise at once (bounded memory)
+                noise = self._noise(seeds, lens + t, min(chunk, steps - t))  # [B, C, V]
+            logp = log_probs(last, p.temperature)  # [B, V]
+            tok = sample(logp, noise[:, t % chunk], p.top_p)  # [B]
+            tokens[:, t] = tok
+            logps[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
+            if experts is not None:
+                experts[:, t] = route
+            sampled = t + 1
+            if sampled == steps:
+                break
+            if stops is not None:
+                stopped |= torch.isin(tok, stops)
+                if bool((stopped | (finished_by <= sampled)).all()):
+                    break
+            last, ids = forward(
+                self.weights,
+                tok[:, None],
+                self.ops,
+                self.ctx_len,
+                self.rope,
+                cache=cache,
+                positions=(lens + t)[:, None],
+                routes=True,
+            )
+            last, route = last[:, 0], None if ids is None else ids[:, 0]
+        tok_mat, lp_mat = tokens[:, :sampled].tolist(), logps[:, :sampled].tolist()  # [B, T]: one copy out
+        return cut_results(
+            requests,
+            tok_mat,
+            lp_mat,
+            limit,
+            room,
+            p.stop_token_ids,
+            None if experts is None else experts[:, :sampled].numpy(),
+        )
+
+    def _noise(self, seeds: torch.Tensor | None, positions: torch.Tensor, steps: int) -> torch.Tensor:
+        """Gumbel noise [B, steps, V] for the tokens at `positions` [B] onward. Seeded: a hash of (seed,
+        position, vocab id), whichever batch or step computes it. Else the next draws of this sampler's stream."""
+        vocab = self.weights.config.vocab_size
+        if seeds is not None:
+            return hashed_gumbel(seeds, positions[:, None] + torch.arange(steps)[None, :], vocab)
+        return stream_gumbel(self.generator, (positions.shape[0], steps), vocab)
+
+
+def serve_static(
+    worker: int,
+    sampler: Sampler,
+    tasks,
+    inbox,
+    outbox,
+    max_batch_size: int,
+    window_s: float,
+    parent: int,
+    deterministic: bool,
+) -> None:
+    """A worker process: run what is routed to it until told to stop (None).
+
+    Fixed routing: `tasks` brings (call, stream seed, params, [(batch no, [(index, request)])]). Dynamic:
+    prompt groups (call, stream seed, params, [(index, request)]) arrive on the shared `inbox`. Each batch's results
+    go back on `outbox` as (call, worker, kind, payload). A worker whose engine process is gone exits
+    (a forked worker would otherwise keep that process's sockets open, e.g. a killed server's port).
+    """
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(
+        deterministic
+    )  # determinism.torch_algorithms, as in the engine's process
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    sampler.generator = torch.Generator()
+    current, carry = None, None
+
+    def start(call, stream_seed, params) -> None:
+        nonlocal current
+        if call != current:  # a new generate call: this worker's stream restarts from the engine's draw
+            sampler.generator.manual_seed((stream_seed + worker) % 2**63)
+            sampler.params, current = params, call
+
+    def run(call, items) -> None:
+        try:
+            results = sampler.run_batch([r for _, r in items])
+            outbox.put(
+                (
+                    call,
+                    worker,
+                    "batch",
+                    {"kv_bytes_peak": sampler.kv_bytes_peak},
+                    [
+                        (i, r.tokens, r.logprobs, r.finish_reason, r.routed_experts)
+                        for (i, _), r in zip(items, results)
+                    ],
+                )
+            )
+        except Exception:  # noqa: BLE001 - the engine raises it
+            outbox.put((call, worker, "error", {}, traceback.format_exc()))
+
+    def wait(q):
+        while True:
+            try:
+                return q.get(timeout=POLL_S)
+            except queue.Empty:
+                if os.getppid() != parent:
+                    os._exit(0)
+
+    while True:
+        if tasks is not None:
+            msg = wait(tasks)
+            if msg is None:
+                return
+            call, stream_seed, params, batches = msg
+            start(call, stream_seed, params)
+            for _, items in batches:
+                run(call, items)
+            continue
+        group = carry or wait(inbox)
+        if group is None:
+            return
+        carry, stop = None, False
+        call, stream_seed, params, items = group
+        deadline = time.perf_counter() + window_s  # what arrives within the window, up to a full batch
+        while len(items) < max_batch_size:
+            try:
+                nxt = inbox.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                break
+            if nxt is None:
+                stop = True
+                break
+            if len(items) + len(nxt[3]) > max_batch_size:
+                carry = nxt  # does not fit: it starts this worker's next batch
+                break
+            items = items + nxt[3]
+        start(call, stream_seed, params)
+        if sampler.abort.is_set():  # cut: queued requests come back unstarted
+            outbox.put(
+                (
+                    call,
+                    worker,
+                    "unstarted",
+                    {"kv_bytes_peak": sampler.kv_bytes_peak},
+                    [(i, [], [], "abort", None) for i, _ in items],
+                )
+            )
+        else:
+            run(call, items)
+        if stop:
+            return

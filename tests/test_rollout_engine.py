@@ -1,0 +1,174 @@
+"""The engine core under determinism=on: a sequence's bits do not depend on its schedule (bitwise, per source)."""
+
+import pytest
+import torch
+
+from detrl.config import ModelConfig
+from detrl.determinism import Determinism, preset
+from detrl.models import BATCH_INVARIANT_OPS, build_model
+from detrl.models.forward import fuse
+from detrl.rollout import EmbeddedEngine, Request, SamplingParams
+from detrl.rollout.scheduler import EngineCore
+
+EOS = 2
+CTX = 48
+PARAMS = SamplingParams(1.0, 1.0, 20, (EOS,))
+_MODELS: dict = {}
+
+
+def _weights(name):
+    if name not in _MODELS:
+        _MODELS[name] = build_model(ModelConfig(name=name), seed=0)
+    return fuse(_MODELS[name], None)
+
+
+def _requests(groups=4, n=3):
+    """Prompt groups of different lengths (5..26 tokens), n seeded samples each."""
+    det = Determinism(preset("on"), seed=0)
+    return [
+        Request(g, j, tuple(3 + (g * 7 + i) % 50 for i in range(5 + 7 * g)), det.sampling_seed(1, g, j))
+        for g in range(groups)
+        for j in range(n)
+    ]
+
+
+def _run(name, reqs, arrive=None, blocks=64, block_size=4, chunk=8, max_running=64, **kw):
+    """Run requests through one core to the end; arrive[i]: the step request i is added at. -> {uid: bits}."""
+    core = EngineCore(_weights(name), BATCH_INVARIANT_OPS, CTX, blocks, block_size, chunk, max_running, **kw)
+    arrive = arrive or [0] * len(reqs)
+    out, step = {}, 0
+    while len(out) < len(reqs):
+        for i, r in enumerate(reqs):
+            if arrive[i] == step:
+                core.add(r.uid, r, PARAMS)
+        for f in core.step():
+            experts = None if f.routed_experts is None else f.routed_experts.tobytes()
+            out[f.key] = (f.tokens, f.logprobs, f.finish_reason, experts)
+        step += 1
+    return out, core
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def reference(request):
+    """Each request alone in a fresh core: no batch-mates, no cache hits, one chunk per prompt."""
+    name, reqs = request.param, _requests()
+    ref = {}
+    for r in reqs:
+        ref.update(_run(name, [r], chunk=CTX)[0])
+    assert any(v[2] == "stop" for v in ref.values()) and any(len(v[0]) > 4 for v in ref.values())
+    return name, reqs, ref
+
+
+def test_batch_mates_and_batch_caps_change_no_bit(reference):
+    name, reqs, ref = reference
+    assert _run(name, reqs)[0] == ref
+    assert _run(name, reqs, max_running=3)[0] == ref
+
+
+def test_arrival_order_changes_no_bit(reference):
+    name, reqs, ref = reference
+    assert _run(name, reqs[::-1])[0] == ref
+    assert _run(name, reqs, arrive=[(7 * i) % 11 for i in range(len(reqs))])[0] == ref
+
+
+def test_chunk_boundaries_change_no_bit(reference):
+    name, reqs, ref = reference
+    for chunk in (1, 3, 5):
+        assert _run(name, reqs, chunk=chunk)[0] == ref
+
+
+def test_pool_size_preemption_and_block_layout_change_no_bit(reference):
+    name, reqs, ref = reference
+    small, core = _run(name, reqs, blocks=CTX // 4 + 2)  # two sequences' worth: preemption recomputes
+    assert small == ref
+    assert _run(name, reqs, block_size=8, blocks=40)[0] == ref
+    assert _run(name, reqs, block_size=1, blocks=400)[0] == ref
+
+
+def test_prefix_cache_hits_change_no_bit_and_save_prompt_blocks(reference):
+    name, reqs, ref = reference
+    hot, hot_core = _run(name, reqs, blocks=200)  # room for all: no preemption
+    cold, cold_core = _run(name, reqs, blocks=200, prefix_cache=False)
+    assert hot == ref and cold == ref
+    assert (
+        hot_core.computed_tokens < cold_core.computed_tokens
+    )  # the prompts' shared blocks were not recomputed
+    assert hot_core.manager.used_peak < cold_core.manager.used_peak
+
+
+def test_a_continuation_reuses_its_blocks_and_matches_one_call():
+    """A partial rollout cut at 6 tokens and continued finds its prompt + prefix blocks cached."""
+    reqs = _requests(groups=2, n=2)
+    whole = _run("qwen3", reqs)[0]
+    core = EngineCore(_weights("qwen3"), BATCH_INVARIANT_OPS, CTX, 64, 4, 8, 64)
+    for r in reqs:
+        core.add(r.uid, Request(*r.uid, r.prompt_ids, r.seed, (), 6), PARAMS)
+    first = {}
+    while not core.idle():
+        first.update({f.key: f for f in core.step()})
+    before = core.computed_tokens
+    for r in reqs:
+        f = first[r.uid]
+        if f.finish_reason == "abort":
+            core.add(r.uid, Request(*r.uid, r.prompt_ids, r.seed, tuple(f.tokens)), PARAMS)
+    cont = {}
+    while not core.idle():
+        cont.update({f.key: f for f in core.step()})
+    assert cont, "no sample was cut at 6 tokens"
+    for uid, f in cont.items():
+        assert first[uid].tokens + f.tokens == whole[uid][0]
+        assert first[uid].logprobs + f.logprobs == whole[uid][1]
+    recomputed = core.computed_tokens - before - sum(len(f.tokens) for f in cont.values())
+    assert recomputed < len(cont) * 4  # at most the last partial block of each context is prefilled again
+
+
+def test_the_engine_matches_the_static_baseline_bitwise():
+    model = _MODELS.get("qwen3_moe") or build_model(ModelConfig(name="qwen3_moe"), seed=0)
+    reqs = _requests()
+    out = {}
+    for scheduler in ("static", "continuous"):
+        eng = EmbeddedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=0, num_workers=2, max_batch_size=5,
+                             scheduler=scheduler, block_size=4, prefill_chunk=8)  # fmt: skip
+        res = eng.generate(reqs)
+        eng.close()
+        out[scheduler] = [(r.tokens, r.logprobs, r.finish_reason, r.routed_experts.tobytes()) for r in res]
+    assert out["static"] == out["continuous"]
+    assert torch.tensor([len(t) for t, *_ in out["static"]]).unique().numel() > 1  # lengths vary
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_the_preflight_proves_the_paged_path_and_catches_a_chunk_dependent_attention(name):
+    import dataclasses
+
+    from detrl.models.forward import forward, rope_tables
+    from detrl.models.ops import bi_attention
+    from detrl.models.preflight import _logprobs_of, check_paged
+
+    w = _weights(name)
+    rope = rope_tables(w.config, CTX)
+    ids = torch.randint(3, 64, (4, CTX), generator=torch.Generator().manual_seed(0))
+    full = _logprobs_of(forward(w, ids, BATCH_INVARIANT_OPS, CTX, rope)[:, :-1], ids[:, 1:])
+    assert check_paged(w, BATCH_INVARIANT_OPS, CTX, rope, ids, full, 5) == []
+
+    def chunked_differs(q, k, v, mask, scale):  # a kernel whose rounding depends on the query block size
+        out = bi_attention(q, k, v, mask, scale)
+        return out if q.shape[2] in (1, CTX) else out * (1 + 2**-20)
+
+    bad = dataclasses.replace(BATCH_INVARIANT_OPS, attention=chunked_differs)
+    assert "paged chunked prefill" in check_paged(w, bad, CTX, rope, ids, full, 5)[0]
+
+
+def test_calls_submitted_while_others_run_join_them_and_stream_back_in_completion_order():
+    model = _MODELS.get("qwen3") or build_model(ModelConfig(name="qwen3"), seed=0)
+    reqs = _requests()
+    eng = EmbeddedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=0, num_workers=2, max_batch_size=8,
+                         fixed_routing=False, block_size=4, prefill_chunk=8)  # fmt: skip
+    alone = {r.uid: (r.tokens, r.logprobs) for r in eng.generate(reqs)}
+    first = eng.submit(reqs[:6])
+    stream = eng.results(first)
+    got = [next(stream)]  # the first call is running ...
+    second = eng.submit(reqs[6:], PARAMS)  # ... when the second joins it
+    got += list(eng.results(second)) + list(stream)
+    eng.close()
+    assert sorted(r.uid for r in got) == sorted(alone)
+    assert all((r.tokens, r.logprobs) == alone[r.uid] for r in got)
