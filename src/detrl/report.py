@@ -33,6 +33,7 @@ from detrl.analysis import (  # noqa: E402
     spread,
     verdicts,
 )
+from detrl.analysis.ablation import COLUMNS as ABLATION_TABLE_COLUMNS  # noqa: E402
 from detrl.analysis.ablation import ablation_findings, ablation_table, ablation_title  # noqa: E402
 from detrl.analysis.findings import (  # noqa: E402
     common_settings,
@@ -400,22 +401,8 @@ FIGURES = {
     "mismatch": fig_mismatch,
     "cost": fig_cost,
 }
-ABLATION_COLUMNS = [
-    "ablation",
-    "kind",
-    "repeats",
-    "reproducible",
-    "first_divergence_step",
-    "first_divergence_stage",
-    "differs_from_all_on",
-    "reward_spread",
-    "reward_spread_lo",
-    "reward_spread_hi",
-    "reward_drift",
-    "reward_last",
-    "param_distance_last",
-    "mismatch_max",
-]
+# the ablation table as the summary shows it: one table per setting, the source named in the ablation cell
+ABLATION_COLUMNS = [c for c in ABLATION_TABLE_COLUMNS if c not in ("setting", "source")]
 
 
 def figures_for(sweep: Sweep) -> dict:

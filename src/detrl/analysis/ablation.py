@@ -57,26 +57,29 @@ def _interval(x: np.ndarray, seed: int = 0) -> tuple[float, float]:
     return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
 
 
+COLUMNS = [
+    "setting",
+    "ablation",
+    "kind",
+    "source",
+    "repeats",
+    "reproducible",
+    "first_divergence_step",
+    "first_divergence_stage",
+    "differs_from_all_on",
+    "reward_spread",
+    "reward_spread_lo",
+    "reward_spread_hi",
+    "reward_drift",
+    "reward_last",
+    "param_distance_last",
+    "mismatch_max",
+]  # the ablation table's columns, in order
+
+
 def ablation_table(sweep: Sweep) -> pd.DataFrame:
     """One row per (setting, ablation cell); empty when the sweep has no `ablation=` cells."""
-    cols = [
-        "setting",
-        "ablation",
-        "kind",
-        "source",
-        "repeats",
-        "reproducible",
-        "first_divergence_step",
-        "first_divergence_stage",
-        "differs_from_all_on",
-        "reward_spread",
-        "reward_spread_lo",
-        "reward_spread_hi",
-        "reward_drift",
-        "reward_last",
-        "param_distance_last",
-        "mismatch_max",
-    ]
+    cols = COLUMNS
     runs = sweep.runs[sweep.runs.status == "complete"]
     cells = [c for c in runs.cell.unique() if "ablation" in parse_cell(c)]
     if not cells:
