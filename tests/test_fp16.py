@@ -77,6 +77,7 @@ def test_float16_trains_on_cpu_under_off_with_its_loss_scale_and_mismatch_logged
     assert len(rows) == 3
     for r in rows:
         assert r["actor/loss_scale"] > 0 and 0 <= r["actor/skipped_steps"] <= r["actor/optimizer_steps"]
-        assert 0 < r["mismatch/train_rollout_logprob_abs_diff"] < 1e-2
+        # float16 kernels differ by CPU (AVX2 vs AVX512): some give the trainer and the engine the same bits
+        assert 0 <= r["mismatch/train_rollout_logprob_abs_diff"] < 1e-2
         assert 0 < r["mismatch/router_agreement"] <= 1
     assert json.loads((tmp_path / "run" / "numerics.json").read_text())["dtype"] == "torch.float16"
