@@ -1,0 +1,3 @@
+from detrl.report import main
+
+main()
