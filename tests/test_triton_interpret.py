@@ -21,8 +21,7 @@ SCRIPT = textwrap.dedent(
     import json, torch
     import torch.nn.functional as F
     from detrl.models import triton_ops as T
-    from detrl.models.forward import _rope
-    from detrl.models.ops import rms_norm
+    from detrl.models.primitives import apply_rope as rope, rms_norm
 
     g = torch.Generator().manual_seed(0)
     dt = torch.float16
@@ -49,11 +48,11 @@ SCRIPT = textwrap.dedent(
     q = torch.randn(2, 5, 6, 64, generator=g).to(dt)
     nw = torch.randn(6, 64, generator=g).to(dt)
     cos, sin = torch.randn(2, 2, 5, 1, 64, generator=g).to(dt)
-    out["norm_rope_eq"] = torch.equal(T.norm_rope(q, nw, 1e-6, cos, sin), _rope(rms_norm(q, nw, 1e-6), cos, sin))
+    out["norm_rope_eq"] = torch.equal(T.norm_rope(q, nw, 1e-6, cos, sin), rope(rms_norm(q, nw, 1e-6), cos, sin))
     # the q/k heads as the forward passes them: a strided view of the qkv output
     qkv = torch.randn(2, 5, 10, 64, generator=g).to(dt)
     out["norm_rope_view_eq"] = torch.equal(T.norm_rope(qkv[:, :, :6], nw, 1e-6, cos, sin),
-                                           _rope(rms_norm(qkv[:, :, :6], nw, 1e-6), cos, sin))
+                                           rope(rms_norm(qkv[:, :, :6], nw, 1e-6), cos, sin))
     print("RESULT" + json.dumps(out))
     """
 )
