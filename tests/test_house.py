@@ -1,9 +1,12 @@
-"""House rules checked statically: the import graph of `src/detrl` (every import, lazy ones inside functions
-included, `if TYPE_CHECKING:` blocks left out) has no cycle."""
+"""House rules: the import graph of `src/detrl` (every import, lazy ones inside functions included,
+`if TYPE_CHECKING:` blocks left out) has no cycle; scripts import detrl plainly; benchmarks/gpu.py's sections."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -104,3 +107,45 @@ def test_detrl_models_has_no_import_cycle(graph):
 def test_src_detrl_has_no_import_cycle_but_the_known_ones(graph):
     new = [c for c in cycles(graph) if not any(c <= known for known in KNOWN_CYCLES)]
     assert not new, [nx.find_cycle(graph.subgraph(c)) for c in new]
+
+
+ROOT = SRC.parent
+
+
+def test_scripts_and_benchmarks_use_no_sys_path_hacks():
+    """detrl is installed (editable): the scripts import it plainly, and run from the repo root as `python x.py`."""
+    files = sorted([*ROOT.glob("benchmarks/*.py"), *ROOT.glob("scripts/*.py")])
+    assert files
+    assert [f.name for f in files if "sys.path" in f.read_text()] == []
+
+
+@pytest.fixture(scope="module")
+def gpu_bench():
+    """benchmarks/gpu.py as a module (a script, not a package: loaded from its file)."""
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_benchmark_lists_its_sections():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu.py", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "{bench,profile,profile16,kernels,tiles}" in proc.stdout
+
+
+def test_each_gpu_section_parses_its_arguments(gpu_bench, capsys):
+    parse = gpu_bench.parse
+    assert parse(["profile16", "--batch", "8", "--modes", "on", "--no-profile"]).run is gpu_bench.profile16
+    assert parse(["profile", "--model", "qwen3_moe_a3b_6l"]).model == "qwen3_moe_a3b_6l"
+    assert parse(["tiles", "--out", "t.json"]).run is gpu_bench.tiles
+    assert parse(["kernels"]).out is None
+    old = parse(["--sections", "targets,trl", "--grpo-steps", "3"])  # the bench section's own form
+    assert old.run is gpu_bench.bench and old.sections == ["targets", "trl"] and old.grpo_steps == 3
+    assert parse(["bench"]).sections == ["rollout", "grpo", "trl"]
+    with pytest.raises(SystemExit):
+        parse(["--sections", "targets,onof"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "unknown onof; choose from targets, vs_trl" in err, err
