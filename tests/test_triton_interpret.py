@@ -3,7 +3,7 @@ subprocess: the variable must be set before the kernels are decorated).
 
 The interpreter computes in numpy, which has no bfloat16 (its bf16 dots are garbage), so these run in float16:
 they check the kernels' structure (the K chunking, split-K's ordered sum, masks at ragged edges, the fused
-epilogues), not the H200's bits, which `tests/test_gpu.py -m gpu` and the run's preflight check on the device.
+epilogues, the grouped gemm's tile map, attention's key blocks), not the H200's bits, which `tests/test_gpu.py -m gpu` and the run's preflight check on the device.
 """
 
 from __future__ import annotations
