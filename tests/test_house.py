@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import networkx as nx
+import networkx as nx  # installed with torch (one of its dependencies)
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
