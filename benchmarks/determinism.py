@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hydra import compose, initialize_config_dir
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from detrl.analysis import distinct_trajectories, first_divergence, load_metrics  # noqa: E402
-from detrl.config import register_configs, to_typed  # noqa: E402
-from detrl.trainer import train  # noqa: E402
+from detrl.analysis import distinct_trajectories, first_divergence, load_metrics
+from detrl.config import register_configs, to_typed
+from detrl.trainer import train
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

@@ -1,7 +1,38 @@
-"""detrl on one GPU: the CUDA engine vs transformers `generate`, the trainer step, and one GRPO step vs TRL.
+"""detrl on one GPU, in sections (one subcommand each; on the GPU machine through `bash scripts/gpu_run.sh`):
 
-    python benchmarks/gpu.py [--out DIR] [--sections targets,vs_trl,generate_variants,generate,rollout,grpo,trl,engine,onoff,grpo_onoff,grpo_moe]
-                             [--hf-moe-tokens 32]
+    python benchmarks/gpu.py bench [--out DIR] [--sections targets,...]   # the default: gpu.py --sections ...
+    python benchmarks/gpu.py profile [--batch 64] [--model qwen3_0p6b]
+    python benchmarks/gpu.py profile16 [--model qwen3_0p6b] [--batch 64] [--modes on,off] [--no-profile]
+    python benchmarks/gpu.py kernels [--out results.json]
+    python benchmarks/gpu.py tiles [--out tiles.json]
+
+`python benchmarks/gpu.py SECTION --help` describes each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+# detrl, Hydra and transformers are imported where a section uses them: `--help` needs torch alone
+if TYPE_CHECKING:
+    from detrl.config import ModelConfig
+
+BENCH = """The CUDA engine vs transformers `generate`, the trainer step, and one GRPO step vs TRL.
 
 Models: Qwen3-0.6B's shape (conf/model/qwen3_0p6b.yaml) and Qwen3-30B-A3B's layer shape with 6 layers
 (conf/model/qwen3_moe_a3b_6l.yaml), random init, bf16 compute (float32 master weights in the trainer).
@@ -13,40 +44,18 @@ Models: Qwen3-0.6B's shape (conf/model/qwen3_0p6b.yaml) and Qwen3-30B-A3B's laye
   at num_iterations=1); per-step times from its metrics (rollout, update, params fingerprint).
 - generate: `generate` alone at batch 64, first in its process (the control for the side-by-side rows; both
   run under torch's default flags, not detrl's determinism flags).
-- onoff (issue 16): determinism on vs off side by side, like with like: the engine (on: the batch-invariant
-  Triton op set, fixed routing, per-sample seeds, CUDA graphs; off: torch's kernels compiled, dynamic routing,
-  unseeded) on both shapes, and `train()`'s GRPO step on the 0.6B shape under each mode.
+- generate_variants: `generate` under each of its settings (cache, compile, autocast), first in its process.
+- onoff: determinism on vs off side by side, like with like: the engine (on: the batch-invariant Triton op set,
+  fixed routing, per-sample seeds, CUDA graphs; off: torch's kernels compiled, dynamic routing, unseeded) on
+  both shapes, and `train()`'s GRPO step on the 0.6B shape under each mode. grpo_onoff: its GRPO steps only.
+- engine: the engine alone on both shapes. grpo_moe: the GRPO step on the MoE shape.
 - trl: TRL 1.16 GRPOTrainer on the same work (use_vllm=False, bf16, no gradient checkpointing, beta 0).
-- targets: what issues 15 and 16 measure, in one command: TRL's step first, in a fresh process under torch's
-  default flags (`trl_fresh`), then side by side in this one: the 0.6B engine (off) vs generate at batch 64, the
-  engines on vs off (0.6B at 64 and 256, MoE at 64), the GRPO step off and on (0.6B, and the MoE shape's first
-  2 layers). vs_trl: TRL's step (fresh process) and the 0.6B GRPO step off and on only.
+- targets: in one command: TRL's step first, in a fresh process under torch's default flags (`trl_fresh`),
+  then side by side in this one: the 0.6B engine (off) vs generate at batch 64, the engines on vs off (0.6B at
+  64 and 256, MoE at 64), the GRPO step off and on (0.6B, and the MoE shape's first 2 layers).
+  vs_trl: TRL's step (fresh process) and the 0.6B GRPO step off and on only.
 Writes results.json and table.md into --out and prints the table last.
 """
-
-from __future__ import annotations
-
-import argparse
-import contextlib
-import dataclasses
-import datetime
-import json
-import statistics
-import sys
-import tempfile
-import time
-import traceback
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from detrl.config import ModelConfig, register_configs, to_typed  # noqa: E402
-from detrl.data import ArithmeticTask, build_tokenizer, exact_match_reward  # noqa: E402
-from detrl.models.build import hf_config  # noqa: E402
-from detrl.warmstart import encode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -58,6 +67,10 @@ OLD_LOGPROBS = "current"
 
 
 def model_cfg(name: str) -> ModelConfig:
+    from hydra import compose, initialize_config_dir
+
+    from detrl.config import to_typed
+
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         return to_typed(compose("train", overrides=[f"model={name}", "logger=none"])).model
 
@@ -65,6 +78,8 @@ def model_cfg(name: str) -> ModelConfig:
 def random_model(name: str):
     """The shape, random init on the GPU (fast), float32."""
     from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+    from detrl.models.build import hf_config
 
     cfg = model_cfg(name)
     cls = Qwen3ForCausalLM if cfg.name == "qwen3" else Qwen3MoeForCausalLM
@@ -75,6 +90,9 @@ def random_model(name: str):
 
 def prompts(batch: int) -> list[list[int]]:
     """Arithmetic prompts of one length (single-digit operands), repeated to `batch`."""
+    from detrl.data import ArithmeticTask, build_tokenizer
+    from detrl.warmstart import encode
+
     tok = build_tokenizer()
     task = ArithmeticTask(0, 9, ["+"], seed=0)
     ids = [encode(tok, task[i].prompt) for i in range(len(task))]
@@ -283,6 +301,9 @@ def grpo_section(
     name: str, steps: int, out: Path, determinism: str = "off", layers: int | None = None
 ) -> None:
     """layers: the model's first `layers` layers only (the MoE shape's whole trainer state needs ~60 GiB)."""
+    from hydra import compose, initialize_config_dir
+
+    from detrl.config import to_typed
     from detrl.trainer import train
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
@@ -353,6 +374,8 @@ def trl_section(name: str, steps: int, out: Path) -> None:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    from detrl.data import ArithmeticTask, build_tokenizer, exact_match_reward
 
     tok = build_tokenizer()
     task = ArithmeticTask(0, 9, ["+"], seed=0)
@@ -437,7 +460,7 @@ def trl_fresh(out: Path) -> None:
     import subprocess
 
     sub = out / "trl_fresh"
-    subprocess.run([sys.executable, __file__, "--sections", "trl", "--out", str(sub)], check=True)
+    subprocess.run([sys.executable, __file__, "bench", "--sections", "trl", "--out", str(sub)], check=True)
     RESULTS.update(json.loads((sub / "results.json").read_text()))
 
 
@@ -511,19 +534,484 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--sections", default="rollout,grpo,trl")
-    ap.add_argument("--hf-moe-tokens", type=int, default=32, help="generate's new tokens on the MoE (slow)")
-    ap.add_argument("--grpo-steps", type=int, default=5)
-    args = ap.parse_args()
-    register_configs()
-    out = Path(args.out or tempfile.mkdtemp())
-    out.mkdir(parents=True, exist_ok=True)
-    sections = args.sections.split(",")
-    jobs = []  # the targets first: the GRPO step vs TRL, then the rollout tables
-    if "targets" in sections:  # issues 15 and 16 side by side: decode vs generate, on vs off, the step vs TRL
+# ------------------------------------------------------------------------------------------ profile, profile16
+
+PROFILE = """Where a decode step's time goes: the CUDA engine's step (determinism off's op set, compiled stages)
+with and without CUDA graphs, then the top kernels by device time of the graph-less engine under
+torch.profiler."""
+
+PROFILE16 = """Where determinism=on's time goes on one GPU, against off, for the engine's decode and the trainer's
+logprob forward + backward (the two halves of a GRPO step), each under its mode's torch flags
+(determinism.setup). Per mode: ms per decode step (CUDA graphs, seeded requests under on as the trainer sends
+them), ms of one sequence_logprobs forward + backward on batch x ctx tokens, and the top kernels of each by device
+time."""
+
+
+def top_kernels(prof, rows: int = 18, width: int = 60) -> str:
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=width)
+
+
+def decode_engine(model, ops, batch: int, fixed_routing: bool, **kw):
+    """A CUDA engine for batch prompts x NEW tokens at temperature 1, and its context length."""
+    from detrl.rollout.base import SamplingParams
+    from detrl.rollout.cuda import CudaEngine
+
+    ctx = -(-(len(prompts(1)[0]) + NEW) // 8) * 8
+    params = SamplingParams(1.0, 1.0, NEW, ())
+    engine = CudaEngine(
+        model, ops, ctx, params, seed=0, max_batch_size=batch, fixed_routing=fixed_routing, **kw
+    )
+    return engine, ctx
+
+
+def profile(args: argparse.Namespace) -> None:
+    from detrl.models.ops import CUDA_DEFAULT_OPS
+    from detrl.rollout.base import Request
+
+    model = random_model(args.model)
+    ops = dataclasses.replace(CUDA_DEFAULT_OPS, dtype=torch.bfloat16)
+    reqs = [Request(i // 8, i % 8, tuple(p)) for i, p in enumerate(prompts(args.batch))]
+    for graphs in (True, False):
+        eng, _ = decode_engine(model, ops, args.batch, False, graphs=graphs)
+        eng.generate(reqs)  # warm: captures the graphs
+        step_ms = timed(lambda eng=eng: eng.generate(reqs)) / NEW * 1e3
+        print(f"graphs={graphs}: {step_ms:.3f} ms per decode step (batch {args.batch})", flush=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        eng.generate(reqs[: args.batch])
+        torch.cuda.synchronize()
+    print(top_kernels(prof, 25, 70))
+
+
+def profiled(fn, enabled: bool) -> None:
+    """fn() once under torch.profiler (CUDA activity), then its top kernels."""
+    if enabled:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        print(top_kernels(prof), flush=True)
+
+
+def profile16(args: argparse.Namespace) -> None:
+    from detrl import determinism as det_mod
+    from detrl.models.forward import rope_tables
+    from detrl.models.logprobs import sequence_logprobs
+    from detrl.rollout.base import Request
+
+    model = random_model(args.model)
+    for mode in args.modes.split(","):
+        det = det_mod.setup(mode == "on", 0, "cuda", torch.bfloat16)
+        reqs = [
+            Request(i // 8, i % 8, tuple(p), seed=det.sampling_seed(1, i // 8, i % 8))
+            for i, p in enumerate(prompts(args.batch))
+        ]
+        eng, ctx = decode_engine(model, det.ops, args.batch, det.fixed_routing, dtype=torch.bfloat16)
+        eng.generate(reqs)  # warm: captures the graphs
+        step_ms = timed(lambda eng=eng, reqs=reqs: eng.generate(reqs)) / NEW * 1e3
+        print(
+            f"[{mode}] {det.ops.name}: {step_ms:.3f} ms per decode step (batch {args.batch}, graphs)",
+            flush=True,
+        )
+        profiled(lambda eng=eng, reqs=reqs: eng.generate(reqs), not args.no_profile)
+        eng.close()
+        del eng
+        rope = rope_tables(model.config, ctx, "cuda", torch.bfloat16)
+        ids = torch.randint(3, 1000, (args.batch, ctx), device="cuda")
+        mask = torch.zeros(args.batch, ctx - 1, device="cuda")
+        mask[:, len(prompts(1)[0]) - 1 :] = 1
+
+        def fwd_bwd(ids=ids, mask=mask, ops=det.ops, rope=rope, ctx=ctx):
+            tok, ent = sequence_logprobs(model, ids, mask, ops, ctx, rope, 1.0, entropy=True)
+            (tok.sum() + 0.01 * ent.sum()).backward()
+            model.zero_grad(set_to_none=True)
+
+        fwd_bwd()  # warm
+        print(
+            f"[{mode}] trainer logprobs fwd+bwd {args.batch}x{ctx}: {timed(fwd_bwd) * 1e3:.1f} ms", flush=True
+        )
+        profiled(fwd_bwd, not args.no_profile)
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------- kernels, tiles
+
+KERNELS = """The batch-invariant Triton kernels against torch, bit for bit where they must agree with themselves,
+and timed against torch's kernels on the models' real shapes. One line per check: max |diff| against torch's
+kernel (float tolerance), and bitwise results for rows (a row alone / at another offset vs inside a large call),
+phases (decode over the cache vs the causal training pass vs a prefill), backward run to run; then per-shape
+times (CUDA events, median of 20) of the Triton gemm vs cuBLAS (F.linear) at decode (64 rows) and training
+(64 x 272 rows) sizes; and whether cuBLAS and torch._grouped_mm happen to be row-invariant on these shapes (the
+negative control)."""
+
+TILES = """Does the invariant gemm's tiling change a row's bits, or only its chunking of K? And what does each
+tiling cost against cuBLAS at decode (64 rows) and training (64 x 272 rows) sizes? For every gemm shape of the
+two models the reference is `gemm` with the fixed tiles, unsplit, on 300 rows. Each tiling (BLOCK_M, BLOCK_N,
+BLOCK_K, warps, stages), unsplit and split-K (one program per K chunk, then an ordered sum), runs on the first 1,
+7, 64 and 300 of those rows and inside a 17,408-row call, compared bitwise with the reference rows. Then times
+(CUDA graphs, triton.testing.do_bench_cudagraph) of cuBLAS (F.linear), `gemm` as it launches itself
+(`tiles_for`) and each tiling."""
+
+# the gemm shapes (K, N) of the two models' layers
+GEMM_SHAPES = {
+    "0.6B qkv": (1024, 4096),
+    "0.6B o": (2048, 1024),
+    "0.6B gate_up": (1024, 6144),
+    "0.6B down": (3072, 1024),
+    "0.6B lm_head": (1024, 151936),
+    "moe qkv": (2048, 5120),
+    "moe o": (4096, 2048),
+    "moe router": (2048, 128),
+}
+BIG = 64 * 272  # a training call's rows
+CHECKS: dict = {}  # the kernels section's results, key -> value
+BF = torch.bfloat16
+
+
+def record(key, value):
+    CHECKS[key] = value
+    print(f"{key}: {value}", flush=True)
+
+
+def cuda_ms(fn, n=20) -> float:
+    fn()
+    ts = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def rows_invariant(fn, k, total=320) -> str:
+    x = torch.randn(total, k, device="cuda", dtype=BF)
+    ref = fn(x)
+    for m in (*range(1, 18), 31, 33, 64, 65, 128, 129, 256, 257, 300):
+        for o in (0, 7):
+            if not torch.equal(fn(x[o : o + m]), ref[o : o + m]):
+                return f"VARIES at m={m} o={o}"
+    big = torch.cat([x, torch.randn(64 * 272 - total, k, device="cuda", dtype=BF)])
+    if not torch.equal(fn(big)[:total], ref):
+        return "VARIES at m=17408"
+    return "invariant"
+
+
+def check_gemms(T) -> None:
+    for name, (k, n) in GEMM_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=BF) * k**-0.5
+        x = torch.randn(300, k, device="cuda", dtype=BF)
+        d = (T.gemm(x, w).float() - F.linear(x, w).float()).abs().max().item()
+        record(f"gemm {name} K={k} N={n}: max|triton - cublas|", d)
+        record(f"gemm {name}: triton rows", rows_invariant(lambda a, w=w: T.gemm(a, w), k))
+        record(f"gemm {name}: cublas rows", rows_invariant(lambda a, w=w: F.linear(a, w), k))
+        for m in (64, 256, 64 * 272):
+            a = torch.randn(m, k, device="cuda", dtype=BF)
+            if n > 100000 and m > 256:
+                continue
+            record(
+                f"gemm {name} M={m}: ms triton / cublas",
+                (
+                    round(cuda_ms(lambda a=a, w=w: T.gemm(a, w)), 4),
+                    round(cuda_ms(lambda a=a, w=w: F.linear(a, w)), 4),
+                ),
+            )
+
+
+def check_norms(T) -> None:
+    from detrl.models.primitives import rms_norm
+
+    x = torch.randn(64, 272, 1024, device="cuda", dtype=BF)
+    w = torch.randn(1024, device="cuda", dtype=BF)
+    record(
+        "rms max|triton - torch|",
+        (T.rms_norm(x, w, 1e-6).float() - rms_norm(x, w, 1e-6).float()).abs().max().item(),
+    )
+    flat = x.view(-1, 1024)
+    record("rms triton rows", rows_invariant(lambda a: T.rms_norm(a, w, 1e-6), 1024))
+    record("rms torch rows", rows_invariant(lambda a: rms_norm(a, w, 1e-6), 1024))
+    qkv = torch.randn(8, 272, 32, 128, device="cuda", dtype=BF)
+    wq = torch.randn(24, 128, device="cuda", dtype=BF)
+    record(
+        "rms heads slice max|diff|",
+        (T.rms_norm(qkv[:, :, :24], wq, 1e-6).float() - rms_norm(qkv[:, :, :24], wq, 1e-6).float())
+        .abs()
+        .max()
+        .item(),
+    )
+    record(
+        "rms M=17408 ms triton / torch",
+        (
+            round(cuda_ms(lambda: T.rms_norm(flat, w, 1e-6)), 4),
+            round(cuda_ms(lambda: rms_norm(flat, w, 1e-6)), 4),
+        ),
+    )
+    lp = torch.randn(300, 151936, device="cuda", dtype=BF)
+    f = lambda a: F.log_softmax(a.float(), -1)  # noqa: E731
+    ref = f(lp)
+    record(
+        "log_softmax torch rows",
+        all(
+            torch.equal(f(lp[o : o + m]), ref[o : o + m]) for m in (1, 2, 5, 16, 17, 64, 100) for o in (0, 7)
+        ),
+    )
+
+
+def check_attention(T) -> None:
+    from detrl.models.ops import sdpa_attention
+
+    for name, h, hkv in (("0.6B", 16, 8), ("moe", 32, 4)):
+        b, length, d = 4, 272, 128
+        q = torch.randn(b, h, length, d, device="cuda", dtype=BF)
+        k, v = (torch.randn(b, hkv, length, d, device="cuda", dtype=BF) for _ in range(2))
+        mask = (
+            torch.arange(length, device="cuda")[None, None, None, :]
+            <= torch.arange(length, device="cuda")[None, None, :, None]
+        )
+        train = T.attention(q, k, v, mask, d**-0.5)
+        ref = sdpa_attention(q, k, v, mask, d**-0.5)
+        record(f"attn {name} train max|triton - sdpa|", (train.float() - ref.float()).abs().max().item())
+        bad = []
+        for p in (0, 1, 5, 63, 64, 65, 127, 200, 271):
+            m1 = torch.arange(length, device="cuda")[None, None, None, :] <= torch.full(
+                (b, 1, 1, 1), p, device="cuda"
+            )
+            dec = T.attention(q[:, :, p : p + 1], k, v, m1, d**-0.5)
+            if not torch.equal(dec[:, :, 0], train[:, :, p]):
+                bad.append(p)
+        record(f"attn {name} decode == training row (bitwise), failing positions", bad)
+        pre = T.attention(q[:, :, :37], k, v, mask[:, :, :37], d**-0.5)
+        record(f"attn {name} prefill(37) == training rows (bitwise)", torch.equal(pre, train[:, :, :37]))
+        one = T.attention(q[1:2], k[1:2], v[1:2], mask, d**-0.5)
+        record(f"attn {name} batch of 1 == row of batch 4 (bitwise)", torch.equal(one, train[1:2]))
+        # backward vs sdpa's, and run to run
+        qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        go = torch.randn_like(q)
+        g1 = torch.autograd.grad(T.attention(qs, ks, vs, mask, d**-0.5), (qs, ks, vs), go)
+        g2 = torch.autograd.grad(T.attention(qs, ks, vs, mask, d**-0.5), (qs, ks, vs), go)
+        gr = torch.autograd.grad(sdpa_attention(qs, ks, vs, mask, d**-0.5), (qs, ks, vs), go)
+        record(
+            f"attn {name} backward max|triton - sdpa| (q, k, v)",
+            [(a.float() - r.float()).abs().max().item() for a, r in zip(g1, gr)],
+        )
+        record(f"attn {name} backward run to run bitwise", all(torch.equal(a, b2) for a, b2 in zip(g1, g2)))
+        big_q = torch.randn(64, h, length, d, device="cuda", dtype=BF)
+        big_k, big_v = (torch.randn(64, hkv, length, d, device="cuda", dtype=BF) for _ in range(2))
+        dq = big_q[:, :, :1]
+        m1 = torch.arange(length, device="cuda")[None, None, None, :] <= torch.full(
+            (64, 1, 1, 1), 200, device="cuda"
+        )
+        args = (big_q, big_k, big_v)
+        record(
+            f"attn {name} B=64 train ms triton / sdpa flash",
+            (
+                round(cuda_ms(lambda a=args, m=mask, s=d**-0.5: T.attention(*a, m, s)), 4),
+                round(
+                    cuda_ms(
+                        lambda a=args: F.scaled_dot_product_attention(*a, is_causal=True, enable_gqa=True)
+                    ),
+                    4,
+                ),
+            ),
+        )
+        record(
+            f"attn {name} B=64 decode ms triton",
+            round(cuda_ms(lambda a=(dq, big_k, big_v, m1), s=d**-0.5: T.attention(*a, s)), 4),
+        )
+
+
+def check_moe(T) -> None:
+    from detrl.models.ops import grouped_moe, route
+
+    n, e, hdim, inter, k = 300, 128, 2048, 768, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, hdim, device="cuda", dtype=BF, generator=g)
+    gu = torch.randn(e, 2 * inter, hdim, device="cuda", dtype=BF, generator=g) * hdim**-0.5
+    dn = torch.randn(e, hdim, inter, device="cuda", dtype=BF, generator=g) * inter**-0.5
+    router = torch.randn(e, hdim, device="cuda", dtype=BF, generator=g) * hdim**-0.5
+
+    def run(fn, a):
+        tw, ti = route(T.linear(a, router), k, True)
+        return fn(a, tw, ti, gu, dn, None, F.silu)
+
+    ref = run(grouped_moe, x)
+    mine = run(T.moe, x)
+    record("moe max|triton - grouped_mm|", (mine.float() - ref.float()).abs().max().item())
+    record("moe triton rows", rows_invariant(lambda a: run(T.moe, a), hdim))
+    record("moe grouped_mm rows", rows_invariant(lambda a: run(grouped_moe, a), hdim))
+    xs = x.detach().clone().requires_grad_()
+    gus, dns = gu.clone().requires_grad_(), dn.clone().requires_grad_()
+    go = torch.randn_like(x)
+    tw, ti = route(T.linear(x, router), k, True)
+    g1 = torch.autograd.grad(T.moe(xs, tw, ti, gus, dns, None, F.silu), (xs, gus, dns), go)
+    g2 = torch.autograd.grad(T.moe(xs, tw, ti, gus, dns, None, F.silu), (xs, gus, dns), go)
+    gr = torch.autograd.grad(grouped_moe(xs, tw, ti, gus, dns, None, F.silu), (xs, gus, dns), go)
+    record(
+        "moe backward max|triton - grouped_mm| (x, gate_up, down)",
+        [(a.float() - r.float()).abs().max().item() for a, r in zip(g1, gr)],
+    )
+    record("moe backward run to run bitwise", all(torch.equal(a, b) for a, b in zip(g1, g2)))
+    for m in (64, 64 * 272):
+        a = torch.randn(m, hdim, device="cuda", dtype=BF)
+        record(
+            f"moe M={m} ms triton / grouped_mm",
+            (
+                round(cuda_ms(lambda a=a: run(T.moe, a)), 4),
+                round(cuda_ms(lambda a=a: run(grouped_moe, a)), 4),
+            ),
+        )
+    # graph capture of the whole block
+    a = torch.randn(64, hdim, device="cuda", dtype=BF)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        eager = run(T.moe, a)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(T.moe, a)
+    graph.replay()
+    record("moe graph replay == eager (bitwise)", torch.equal(captured, eager))
+
+
+def check_linear_backward(T) -> None:
+    x = torch.randn(64 * 272, 1024, device="cuda", dtype=BF, requires_grad=True)
+    w = (torch.randn(4096, 1024, device="cuda", dtype=BF) * 0.03).requires_grad_()
+    go = torch.randn(64 * 272, 4096, device="cuda", dtype=BF)
+    g1 = torch.autograd.grad(T.linear(x, w), (x, w), go)
+    g2 = torch.autograd.grad(T.linear(x, w), (x, w), go)
+    gr = torch.autograd.grad(F.linear(x, w), (x, w), go)
+    record(
+        "linear backward max|triton - torch|",
+        [(a.float() - r.float()).abs().max().item() for a, r in zip(g1, gr)],
+    )
+    record("linear backward run to run bitwise", all(torch.equal(a, b) for a, b in zip(g1, g2)))
+
+
+def kernels(args: argparse.Namespace) -> None:
+    os.environ.setdefault(
+        "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
+    )  # as determinism.setup(): before cuBLAS starts
+    from detrl.models import triton_ops as T
+
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    record("device", torch.cuda.get_device_name())
+    for check in (check_gemms, check_norms, check_attention, check_moe, check_linear_backward):
+        try:
+            check(T)
+        except Exception as e:  # noqa: BLE001 - report and go on to the next check
+            traceback.print_exc()
+            record(f"{check.__name__} FAILED", repr(e)[:300])
+    if args.out:
+        Path(args.out).write_text(json.dumps(CHECKS, indent=1, default=str))
+
+
+def tilings(T) -> list:
+    """The launches the tiles section compares (Tiles(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages))."""
+    return [
+        T.Tiles(64, 64, 64, 4, 3),
+        T.Tiles(64, 64, 64, 4, 4),
+        T.Tiles(64, 32, 64, 4, 4),
+        T.Tiles(64, 128, 64, 4, 3),
+        T.Tiles(64, 64, 128, 4, 3),
+        T.Tiles(64, 64, 32, 4, 4),
+        T.Tiles(128, 128, 64, 8, 3),
+        T.Tiles(128, 256, 64, 8, 3),
+        T.Tiles(128, 128, 64, 4, 4),
+        T.Tiles(16, 64, 64, 4, 4),
+        T.Tiles(32, 64, 128, 4, 4),
+    ]
+
+
+def tiling_name(t) -> str:
+    return f"{t.bm}x{t.bn}x{t.bk} w{t.warps} s{t.stages}"
+
+
+def graph_us(fn) -> float:
+    import triton.testing
+
+    return 1000 * triton.testing.do_bench_cudagraph(fn, rep=30)
+
+
+def tiles_shape(T, k: int, n: int) -> dict:
+    """One gemm shape: each tiling's bits against the fixed tiles', then the times of cuBLAS and each tiling."""
+    w = torch.randn(n, k, device="cuda", dtype=BF) * k**-0.5
+    x = torch.randn(BIG, k, device="cuda", dtype=BF)
+    ref = T.gemm(x[:300], w, tiles=T.FIXED, split=False)
+    cublas_err = (F.linear(x[:300], w).float() - ref.float()).abs().max().item()
+    row: dict = {"K": k, "N": n, "max|fixed - cublas|": cublas_err, "bits": {}, "us": {}}
+    for t in tilings(T):
+        same = [
+            torch.equal(T.gemm(x[:m], w, tiles=t, split=split), ref[:m])
+            for split in (False, True)
+            for m in (1, 7, 64, 300)
+        ]
+        if n < 100000:
+            same.append(torch.equal(T.gemm(x, w, tiles=t, split=False)[:300], ref))
+        row["bits"][tiling_name(t)] = all(same)
+    for m, a in {64: x[:64], 256: x[:256], BIG: x}.items():
+        if n > 100000 and m == BIG:
+            continue
+        times = {
+            "cublas": graph_us(lambda a=a, w=w: F.linear(a, w)),
+            "tiles_for": graph_us(lambda a=a, w=w: T.gemm(a, w)),
+        }
+        for t in tilings(T):
+            if m > 256 and t.bm < 64:
+                continue
+            times[tiling_name(t)] = graph_us(lambda a=a, t=t, w=w: T.gemm(a, w, tiles=t))
+        row["us"][m] = times
+    return row
+
+
+def tiles(args: argparse.Namespace) -> None:
+    from detrl.models import triton_ops as T
+
+    torch.manual_seed(0)
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    print(f"{res['device']}, torch {torch.__version__}; chunk_k(K) = min({T.CHUNK_K}, K)", flush=True)
+    for label, (k, n) in GEMM_SHAPES.items():
+        row = res["shapes"][label] = tiles_shape(T, k, n)
+        print(f"\n== {label} K={k} N={n}: max|fixed - cublas| {row['max|fixed - cublas|']:.4g}", flush=True)
+        print(
+            "  same bits as the fixed tiles (unsplit and split, rows 1/7/64/300, inside 17408):",
+            dict(row["bits"]),
+            flush=True,
+        )
+        for m, times in row["us"].items():
+            best = min((v, kk) for kk, v in times.items() if kk != "cublas")
+            print(
+                f"  M={m}: cublas {times['cublas']:.1f} us; tiles_for {times['tiles_for']:.1f}; "
+                f"best {best[1]} {best[0]:.1f}; " + ", ".join(f"{kk} {v:.1f}" for kk, v in times.items()),
+                flush=True,
+            )
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------- bench, main
+
+BENCH_SECTIONS = (
+    "targets",
+    "vs_trl",
+    "generate_variants",
+    "generate",
+    "grpo",
+    "trl",
+    "rollout",
+    "engine",
+    "onoff",
+    "grpo_onoff",
+    "grpo_moe",
+)
+
+
+def bench_jobs(sections: list[str], out: Path, args: argparse.Namespace) -> list:
+    """The bench section's runs, in the order they go (the targets first: the GRPO step vs TRL, then the rollout
+    tables). generate_variants runs at once: first in its process."""
+    jobs = []
+    if "targets" in sections:  # decode vs generate, on vs off, the step vs TRL, side by side
         jobs += [
             lambda: trl_fresh(out),
             lambda: rollout_section(DENSE, [64], NEW, "off"),
@@ -573,7 +1061,13 @@ def main() -> None:
         ]
     if "grpo_moe" in sections:
         jobs += [lambda: grpo_section(MOE, 3, out)]
-    for job in jobs:
+    return jobs
+
+
+def bench(args: argparse.Namespace) -> None:
+    out = Path(args.out or tempfile.mkdtemp())
+    out.mkdir(parents=True, exist_ok=True)
+    for job in bench_jobs(args.sections, out, args):
         try:
             job()
         except Exception:  # noqa: BLE001 - report and go on: one failing section must not lose the others
@@ -586,6 +1080,76 @@ def main() -> None:
     t = table()
     (out / "table.md").write_text(t + "\n")
     print("\n" + t)
+
+
+def section_list(text: str) -> list[str]:
+    """--sections: comma-separated names of BENCH_SECTIONS."""
+    names = text.split(",")
+    bad = [s for s in names if s not in BENCH_SECTIONS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {', '.join(BENCH_SECTIONS)}")
+    return names
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per section, each with its own arguments."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="section", required=True, metavar="{" + ",".join(SECTIONS) + "}")
+    for name, (run, short, text) in SECTIONS.items():
+        p = sub.add_parser(
+            name,
+            help=short,
+            description=text,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.set_defaults(run=run)
+    bench_p, prof, prof16 = sub.choices["bench"], sub.choices["profile"], sub.choices["profile16"]
+    bench_p.add_argument(
+        "--out", default=None, help="directory for results.json and table.md (default: a temp dir)"
+    )
+    bench_p.add_argument(
+        "--sections", type=section_list, default="rollout,grpo,trl", help=",".join(BENCH_SECTIONS)
+    )
+    bench_p.add_argument(
+        "--hf-moe-tokens", type=int, default=32, help="generate's new tokens on the MoE (slow)"
+    )
+    bench_p.add_argument("--grpo-steps", type=int, default=5)
+    for p in (prof, prof16):
+        p.add_argument("--batch", type=int, default=64)
+        p.add_argument("--model", default=DENSE)
+    prof16.add_argument("--modes", default="on,off")
+    prof16.add_argument("--no-profile", action="store_true")
+    for name in ("kernels", "tiles"):
+        sub.choices[name].add_argument("--out", default=None, help="write the results here as JSON")
+    return ap
+
+
+SECTIONS = {  # name: (function, one-line help, description)
+    "bench": (bench, "engine vs generate, GRPO step vs TRL, determinism on vs off", BENCH),
+    "profile": (profile, "a decode step's time, with and without CUDA graphs, and its top kernels", PROFILE),
+    "profile16": (
+        profile16,
+        "determinism on vs off: decode and the trainer's logprob pass, profiled",
+        PROFILE16,
+    ),
+    "kernels": (kernels, "the Triton kernels vs torch: bitwise checks and times", KERNELS),
+    "tiles": (tiles, "the invariant gemm's tilings: bits vs the fixed tiles, times vs cuBLAS", TILES),
+}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line; `gpu.py --sections ...` (no section named first) is the bench section's."""
+    if argv and argv[0].startswith("--") and argv[0] != "--help":
+        argv = ["bench", *argv]
+    return parser().parse_args(argv)
+
+
+def main() -> None:
+    args = parse(sys.argv[1:])
+    from detrl.config import register_configs
+
+    register_configs()
+    args.run(args)
 
 
 if __name__ == "__main__":

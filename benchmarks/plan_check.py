@@ -111,7 +111,6 @@ def main() -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        sys.path.insert(0, str(ROOT / "src"))
         worker(Path(sys.argv[2]), sys.argv[3:])
     else:
         sys.exit(main())

@@ -19,23 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import detrl  # noqa: E402, F401 - before torch: it sets how idle OpenMP threads wait (detrl/__init__.py)
+import detrl  # noqa: F401 - before torch: it sets how idle OpenMP threads wait (detrl/__init__.py)
 
 # isort: split
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+import torch
+from omegaconf import OmegaConf
 
-from detrl.config import ModelConfig  # noqa: E402
-from detrl.data import ArithmeticTask, build_tokenizer  # noqa: E402
-from detrl.determinism import setup  # noqa: E402
-from detrl.rollout import EmbeddedEngine, Request, SamplingParams  # noqa: E402
-from detrl.warmstart import encode  # noqa: E402
+from detrl.config import ModelConfig
+from detrl.data import ArithmeticTask, build_tokenizer
+from detrl.determinism import setup
+from detrl.rollout import EmbeddedEngine, Request, SamplingParams
+from detrl.warmstart import encode
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -18,22 +18,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import detrl  # noqa: E402, F401 - before torch: it sets how idle OpenMP threads wait (detrl/__init__.py)
+import detrl  # noqa: F401 - before torch: it sets how idle OpenMP threads wait (detrl/__init__.py)
 
 # isort: split
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
+import torch
+from hydra import compose, initialize_config_dir
 
-from detrl.config import ModelConfig, register_configs, to_typed  # noqa: E402
-from detrl.data import ArithmeticTask, build_tokenizer, exact_match_reward  # noqa: E402
-from detrl.models.build import build_model  # noqa: E402
+from detrl.config import ModelConfig, register_configs, to_typed
+from detrl.data import ArithmeticTask, build_tokenizer, exact_match_reward
+from detrl.models.build import build_model
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 PROMPTS, SAMPLES, NEW_TOKENS, WARMUP = 8, 4, 16, 2

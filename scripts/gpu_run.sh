@@ -2,6 +2,7 @@
 # On the GPU machine, from the repo root: install the carried wheels (scripts/gpu_wheels.sh) into /tmp/site
 # and run the given command with detrl's src on the path. Every GPU run goes through here:
 #   bash scripts/gpu_run.sh python train.py device=cuda model=qwen3_0p6b steps=3
+#   bash scripts/gpu_run.sh python benchmarks/gpu.py kernels --out kernels.json   # sections: gpu.py --help
 set -euo pipefail
 WHL=${WHL:-.whl}
 if [ ! -f /tmp/site/.detrl-wheels ]; then

@@ -3,7 +3,7 @@ subprocess: the variable must be set before the kernels are decorated).
 
 The interpreter computes in numpy, which has no bfloat16 (its bf16 dots are garbage), so these run in float16:
 they check the kernels' structure (the K chunking, split-K's ordered sum, masks at ragged edges, the fused
-epilogues), not the H200's bits, which `tests/test_gpu.py -m gpu` and the run's preflight check on the device.
+epilogues, the grouped gemm's tile map, attention's key blocks), not the H200's bits, which `tests/test_gpu.py -m gpu` and the run's preflight check on the device.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ SCRIPT = textwrap.dedent(
     import json, torch
     import torch.nn.functional as F
     from detrl.models import triton_ops as T
-    from detrl.models.forward import _rope
-    from detrl.models.ops import rms_norm
+    from detrl.models.ops import moe_dispatch, sdpa_attention
+    from detrl.models.primitives import apply_rope as rope, rms_norm
 
     g = torch.Generator().manual_seed(0)
     dt = torch.float16
@@ -49,11 +49,36 @@ SCRIPT = textwrap.dedent(
     q = torch.randn(2, 5, 6, 64, generator=g).to(dt)
     nw = torch.randn(6, 64, generator=g).to(dt)
     cos, sin = torch.randn(2, 2, 5, 1, 64, generator=g).to(dt)
-    out["norm_rope_eq"] = torch.equal(T.norm_rope(q, nw, 1e-6, cos, sin), _rope(rms_norm(q, nw, 1e-6), cos, sin))
+    out["norm_rope_eq"] = torch.equal(T.norm_rope(q, nw, 1e-6, cos, sin), rope(rms_norm(q, nw, 1e-6), cos, sin))
     # the q/k heads as the forward passes them: a strided view of the qkv output
     qkv = torch.randn(2, 5, 10, 64, generator=g).to(dt)
     out["norm_rope_view_eq"] = torch.equal(T.norm_rope(qkv[:, :, :6], nw, 1e-6, cos, sin),
-                                           _rope(rms_norm(qkv[:, :, :6], nw, 1e-6), cos, sin))
+                                           rope(rms_norm(qkv[:, :, :6], nw, 1e-6), cos, sin))
+    # the MoE's grouped gemm on a tile map: each expert's rows get the plain gemm's bits (K = 128: one chunk)
+    xe = torch.randn(40, 128, generator=g).to(dt)
+    we = (torch.randn(3, 96, 128, generator=g) / 10).to(dt)
+    grouped = T.grouped_gemm(xe, we, T.tile_map(torch.tensor([7, 0, 33]), 40))
+    out["grouped_eq"] = [torch.equal(grouped[a:b], T.gemm(xe[a:b], we[e], split=False))
+                         for e, a, b in ((0, 0, 7), (2, 7, 40))]
+    top_w, top_i = torch.rand(10, 2, generator=g).to(dt), torch.stack([torch.randperm(4, generator=g)[:2]
+                                                                        for _ in range(10)])
+    xm = torch.randn(10, 64, generator=g).to(dt)
+    gu, dn = (torch.randn(4, 64, 64, generator=g) / 8).to(dt), (torch.randn(4, 64, 32, generator=g) / 6).to(dt)
+    ref = moe_dispatch(xm.float(), top_w.float(), top_i, gu.float(), dn.float(), F.linear, F.silu)
+    out["moe_err"] = float((T.moe(xm, top_w, top_i, gu, dn, None, None).float() - ref).abs().max())
+    xn, wn = torch.randn(6, 200, generator=g).to(dt), torch.randn(200, generator=g).to(dt)
+    out["rms_err"] = float((T.rms_norm(xn, wn, 1e-6).float() - rms_norm(xn.float(), wn.float(), 1e-6)).abs().max())
+    # attention: 2 query heads per kv head, 70 keys (two key blocks of 64), head dim 64
+    q = torch.randn(2, 4, 70, 64, generator=g).to(dt)
+    k, v = (torch.randn(2, 2, 70, 64, generator=g).to(dt) for _ in range(2))
+    pos = torch.arange(70)
+    causal = (pos[None, :] <= pos[:, None])[None, None]
+    train = T.attention(q, k, v, causal, 0.125)
+    exact = sdpa_attention(q.float(), k.float(), v.float(), causal, 0.125)
+    out["attn_err"] = float((train.float() - exact).abs().max())
+    out["decode_eq"] = [torch.equal(T.attention(q[:, :, p : p + 1], k, v, pos <= torch.full((2, 1, 1, 1), p), 0.125)[:, :, 0],
+                                    train[:, :, p]) for p in (0, 5, 63, 64, 69)]
+    out["prefill_eq"] = torch.equal(T.attention(q[:, :, :37], k, v, causal[:, :, :37], 0.125), train[:, :, :37])
     print("RESULT" + json.dumps(out))
     """
 )
@@ -100,3 +125,22 @@ def test_fused_silu_mul_and_norm_rope_compute_what_the_eager_ops_do(interpreted)
     division may round some elements otherwise, which only needs the engine and trainer to share the op set."""
     assert interpreted["silu_mul_eq"]
     assert interpreted["norm_rope_eq"] and interpreted["norm_rope_view_eq"]
+
+
+def test_the_grouped_gemm_gives_each_expert_the_plain_gemms_bits_and_the_moe_is_close(interpreted):
+    """The tile map's rows of each expert (7 rows, an empty expert, 33 rows) against gemm on those rows alone;
+    the MoE block (two grouped gemms, silu_mul, the fp32 slot sum) against the eager dispatch in float32."""
+    assert all(interpreted["grouped_eq"]), interpreted["grouped_eq"]
+    assert interpreted["moe_err"] < 0.02
+
+
+def test_rms_norm_is_close_to_the_eager_norm(interpreted):
+    assert interpreted["rms_err"] < 0.02  # float16 outputs up to ~10: a few ulps
+
+
+def test_attention_decode_and_prefill_rows_are_the_training_rows(interpreted):
+    """A decode row at positions 0, 5, 63, 64 and 69 over the 70-key cache, and a 37-token prefill, give the causal
+    training pass's rows bit for bit (a row stops after its own key block; later blocks would be fully masked)."""
+    assert interpreted["attn_err"] < 0.005
+    assert all(interpreted["decode_eq"]), interpreted["decode_eq"]
+    assert interpreted["prefill_eq"]

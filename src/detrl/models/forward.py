@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from detrl.models.ops import Ops, routing_weights
+from detrl.models.primitives import apply_rope
+from detrl.models.primitives import rope_tables as rope_tables  # re-exported: callers build the tables here
 
 
 @dataclass
@@ -127,30 +129,6 @@ class KVCache:
         )
 
 
-def rope_tables(
-    config, ctx_len: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, signed sin [ctx_len, D]: transformers' values for positions 0..ctx_len-1, with the first half of
-    sin negated so that rotate_half becomes a roll (see _rope). Computed on the CPU in float32 on every
-    device (the same values everywhere), then cast to the compute dtype as transformers does."""
-    dim = config.head_dim
-    theta = config.rope_parameters["rope_theta"]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [D/2]
-    freqs = torch.arange(ctx_len, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [L, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
-    sin = emb.sin()
-    cos, sin = (
-        emb.cos(),
-        torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), dim=-1),
-    )  # rotate_half's sign folded in
-    return cos.to(device, dtype), sin.to(device, dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, bit for bit, with rotate_half as a roll and its sign folded into sin."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
-
-
 def layer_pre(h, input_norm, qkv_w, qk_norm, cos, sin, ops: Ops, heads: int, hd: int, eps: float):
     """The first half of a layer: input norm, the q/k/v gemm, q/k norms, rope. -> q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
     b, t, _ = h.shape
@@ -159,7 +137,7 @@ def layer_pre(h, input_norm, qkv_w, qk_norm, cos, sin, ops: Ops, heads: int, hd:
     if ops.norm_rope is not None:
         qk = ops.norm_rope(heads_qk, qk_norm, eps, cos, sin)
     else:
-        qk = _rope(ops.norm(heads_qk, qk_norm, eps), cos, sin)
+        qk = apply_rope(ops.norm(heads_qk, qk_norm, eps), cos, sin)
     qk = qk.transpose(1, 2)  # [B, Hq+Hkv, T, D]
     return qk[:, :heads], qk[:, heads:], qkv[:, :, qk_norm.shape[0] :].transpose(1, 2)
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from detrl.models.primitives import rms_norm
+
 ROW_TILE = 16
 _ROW_INVARIANT: dict[tuple[int, int, torch.dtype, str], bool] = {}
 
@@ -91,12 +93,6 @@ def _bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if m >= ROW_TILE:
         return torch.matmul(a, b)
     return torch.matmul(_pad_rows(a), b)[..., :m, :]
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3RMSNorm: statistics in float32, normalised x back in x's dtype, times w."""
-    xf = x.float()  # float32 input: the same tensor (no copy, the same bits as before)
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def bi_silu(x: torch.Tensor) -> torch.Tensor:
