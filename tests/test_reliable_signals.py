@@ -12,7 +12,7 @@ import pytest
 from detrl import checkpoint, guards
 from detrl.analysis import FP_ORDER, load_metrics
 from tests.conftest import ROOT, TINY, make_cfg
-from tests.test_resume import ENV, STEPS, _cmd
+from tests.test_resume import ENV, STEPS, _cmd, straight_fps
 
 
 def _wandb_records(path):
@@ -56,9 +56,9 @@ def _signal_during_step(run_dir, step, signum, *extra):
     [(signal.SIGTERM, ["logger=wandb"]), (signal.SIGINT, ["logger=none", "model=qwen3_moe"])],
     ids=["sigterm-wandb", "sigint-moe"],
 )
-def test_a_signal_stops_in_one_line_finishes_wandb_and_resumes_bitwise(tmp_path, signum, extra):
-    straight = tmp_path / "straight"
-    subprocess.run(_cmd(straight, *extra), cwd=ROOT, check=True, capture_output=True, timeout=300, env=ENV)
+def test_a_signal_stops_in_one_line_finishes_wandb_and_resumes_bitwise(
+    tmp_path, tmp_path_factory, signum, extra
+):
     stopped = tmp_path / "stopped"
     code, err = _signal_during_step(stopped, 4, signum, *extra)
     assert code == 128 + signum, err[-2000:]
@@ -78,9 +78,9 @@ def test_a_signal_stops_in_one_line_finishes_wandb_and_resumes_bitwise(tmp_path,
         _cmd(stopped, "resume=auto", *extra), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = load_metrics(straight), load_metrics(stopped)
+    b = load_metrics(stopped)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
-    assert [[r[k] for k in FP_ORDER] for r in a] == [[r[k] for k in FP_ORDER] for r in b]
+    assert straight_fps(tmp_path_factory, *extra) == [[r[k] for k in FP_ORDER] for r in b]
 
 
 def test_a_signal_during_a_steps_log_checkpoints_that_step(tmp_path, monkeypatch):

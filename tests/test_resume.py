@@ -37,6 +37,23 @@ def _cmd(run_dir, *extra):
 ENV = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
 
 
+_STRAIGHT: dict[tuple, list] = {}
+
+
+def straight_fps(tmp_path_factory, *extra: str) -> list[list]:
+    """The uninterrupted run's fingerprints at every step: run in this process once per config and shared by the
+    tests of the same config (the logger changes no fingerprint, so it is left out of the key)."""
+    from detrl.trainer import train
+
+    key = tuple(o for o in extra if not o.startswith("logger="))
+    if key not in _STRAIGHT:
+        run_dir = tmp_path_factory.mktemp("straight")
+        args = [o for o in _cmd(run_dir, *key)[2:] if not o.startswith("run_dir=")]
+        train(make_cfg(*args, "logger=none"), run_dir)
+        _STRAIGHT[key] = [[r[k] for k in FP_ORDER] for r in load_metrics(run_dir)]
+    return _STRAIGHT[key]
+
+
 def _kill_during_step(run_dir, step, *extra):
     """Start a run and SIGKILL it while step `step` runs (as soon as step - 1 is logged)."""
     proc = subprocess.Popen(
@@ -70,9 +87,7 @@ def _kill_during_step(run_dir, step, *extra):
     ],
     ids=["dense-grpo-wandb", "moe-dapo", "moe-partial"],
 )
-def test_sigkill_mid_step_then_resume_equals_an_uninterrupted_run(tmp_path, extra):
-    straight = tmp_path / "straight"
-    subprocess.run(_cmd(straight, *extra), cwd=ROOT, check=True, capture_output=True, timeout=300, env=ENV)
+def test_sigkill_mid_step_then_resume_equals_an_uninterrupted_run(tmp_path, tmp_path_factory, extra):
     killed = tmp_path / "killed"
     _kill_during_step(killed, 4, *extra)
     assert len(load_metrics(killed)) >= 3 and not (killed / "summary.json").exists()
@@ -81,9 +96,9 @@ def test_sigkill_mid_step_then_resume_equals_an_uninterrupted_run(tmp_path, extr
         _cmd(killed, "resume=auto", *extra), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = load_metrics(straight), load_metrics(killed)
+    b = load_metrics(killed)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))  # no step logged twice
-    assert [[r[k] for k in FP_ORDER] for r in a] == [[r[k] for k in FP_ORDER] for r in b]
+    assert straight_fps(tmp_path_factory, *extra) == [[r[k] for k in FP_ORDER] for r in b]
     if "rollout.partial.enabled=true" in extra:  # the buffer was carried through the checkpoint
         assert max(r["partial/carried"] for r in b) > 0
     if "logger=wandb" in extra:  # the resumed process continued the same W&B run
