@@ -1,5 +1,5 @@
 """The rules that read more than one group, and `validate`: every refusal of a config, run in one place
-before anything is built (each group's own rules first, then these)."""
+before anything is built."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ if TYPE_CHECKING:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Raise ConfigError (one line) on the first bad value: values no run accepts (detrl.guards), each
-    group's own rules, then the cross-group ones."""
+    """Raise ConfigError (one line) on the first bad value: values no run accepts (detrl.guards), then each
+    group's own rules with the cross-group ones after the groups they read."""
     from detrl.guards import check_values
 
     check_values(cfg)  # non-finite values, zero sizes, a group of one, a warmup as long as the run
-    # each cross-group rule runs next to the group whose key its error names
+    # groups in the order their checks had in one function, so that a config with two bad values is
+    # mostly refused for the same one as before (a single bad value always is)
     cfg.model.validate()
     cfg.algo.validate()
     check_algo_rollout(cfg)
