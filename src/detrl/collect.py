@@ -112,6 +112,9 @@ class GroupSource:
             )
 
 
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")  # algo.filter_groups.metric
+
+
 def filter_metric(group: Scored, metric: str) -> torch.Tensor:
     """The per-sample value dynamic sampling compares within a group (verl's filter_groups.metric).
 
@@ -122,8 +125,7 @@ def filter_metric(group: Scored, metric: str) -> torch.Tensor:
     if metric in ("seq_reward", "seq_final_reward"):
         return group.shaped
     raise ValueError(
-        f"algo.filter_groups.metric={metric!r} is not valid; "
-        "choose one of ['acc', 'score', 'seq_reward', 'seq_final_reward']"
+        f"algo.filter_groups.metric={metric!r} is not valid; choose one of {list(FILTER_METRICS)}"
     )
 
 

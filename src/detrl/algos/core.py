@@ -107,6 +107,10 @@ def _nonzero(n: torch.Tensor) -> torch.Tensor:
     return torch.where(n == 0, torch.ones_like(n), n)
 
 
+STALE_TOKENS = ("keep", "mask", "rescore")  # rollout.partial.stale_tokens, the modes of `old_logprobs`
+LR_SCHEDULERS = ("constant", "cosine")  # optim.lr_scheduler_type, the kinds of `lr_ratio`
+
+
 def old_logprobs(
     mode: str, trainer_old: torch.Tensor, rollout: torch.Tensor, fresh: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +128,7 @@ def old_logprobs(
         return trainer_old, mask
     if mode == "mask":
         return trainer_old, mask * fresh
-    raise ValueError(f"stale_tokens={mode!r} is not valid; choose one of ['keep', 'mask', 'rescore']")
+    raise ValueError(f"stale_tokens={mode!r} is not valid; choose one of {list(STALE_TOKENS)}")
 
 
 def lr_ratio(
@@ -146,7 +150,7 @@ def lr_ratio(
         progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
         x = math.cos(math.pi * float(num_cycles) * 2.0 * progress)
         return max(min_lr_ratio, x * (1 - min_lr_ratio) * 0.5 + (1 + min_lr_ratio) * 0.5)
-    raise ValueError(f"lr_scheduler_type={kind!r} is not valid; choose one of ['constant', 'cosine']")
+    raise ValueError(f"lr_scheduler_type={kind!r} is not valid; choose one of {list(LR_SCHEDULERS)}")
 
 
 def warmup_steps(lr_warmup_steps: int, ratio: float, total_steps: int) -> int:
