@@ -44,7 +44,7 @@ train: install  ## set up (first time: minutes), then train the default: tiny Qw
 	$(PY) train.py
 
 test: install-test  ## set up, then run the test suite (CPU; tests marked gpu skip without CUDA)
-	DETRL_REQUIRE_SGLANG=1 $(PY) -m pytest -q
+	DETRL_REQUIRE_SGLANG=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: install-test  ## ruff check + ruff format --check (CI runs this before the tests)
 	$(PY) -m ruff check src tests train.py benchmarks scripts
