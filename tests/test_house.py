@@ -22,6 +22,30 @@ KNOWN_CYCLES = [
         "detrl.guards",
     },  # config's validation calls guards.check_values; guards reads TrainConfig
     {"detrl.plan", "detrl.trainer"},  # train() checks the plan; the plan reads trainer.context_length
+    # the config package's validate() methods import, lazily, the registries whose names they check (data,
+    # models, actor, collect, distributed), and those modules read the config's types: to break next
+    {
+        "detrl.actor.old_pass",
+        "detrl.collect",
+        "detrl.config",
+        "detrl.config.algo",
+        "detrl.config.cross",
+        "detrl.config.data",
+        "detrl.config.load",
+        "detrl.config.model",
+        "detrl.config.run",
+        "detrl.data.arithmetic",
+        "detrl.data.base",
+        "detrl.data.gsm8k",
+        "detrl.data.math_task",
+        "detrl.data.qwen_tokenizer",
+        "detrl.data.registry",
+        "detrl.device",
+        "detrl.distributed",
+        "detrl.guards",
+        "detrl.models.build",
+        "detrl.warmstart",
+    },  # fmt: skip
 ]
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from detrl.config import ConfigError
+from detrl.config.base import ConfigError
 
 SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 

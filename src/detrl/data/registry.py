@@ -8,13 +8,16 @@ split is `data.eval_path` when given, else `data.eval_fraction` of the rows held
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
-from detrl.config import DataConfig, TrainConfig
 from detrl.data.arithmetic import ArithmeticTask
 from detrl.data.base import DataError, Task, column, load_rows, split_eval
 from detrl.data.gsm8k import DEFAULT_TEMPLATE, GSM8KTask, gold_answer, to_number
 from detrl.data.math_task import ANSWER_KEYS, PROMPT_KEYS, MathTask, gold_from
 from detrl.guards import check_context
+
+if TYPE_CHECKING:  # annotations only: the config's validation imports this registry
+    from detrl.config import DataConfig, TrainConfig
 
 TASK_NAMES = ("arithmetic", "gsm8k", "math")
 
