@@ -107,7 +107,8 @@ def _grads(model_name: str, det: str, mode: str, dp=None) -> list[torch.Tensor]:
 DEFAULTS = ["logger=none", "checkpoint.save_final=false", "device=cpu"]
 # dense: 2 steps (the second rollout runs on the weights the ranks' first update synced to the engine); MoE: 1 step
 # (the same sync code; its first update already differed at the defaults before the fix)
-DEFAULT_RUNS = (("dense", ["steps=2"]), ("moe", ["steps=1", "model=qwen3_moe"]))
+DEFAULT_STEPS = {"dense": 2, "moe": 1}
+DEFAULT_RUNS = [(m, [f"steps={n}"] + ["model=qwen3_moe"] * (m == "moe")) for m, n in DEFAULT_STEPS.items()]
 
 
 def _defaults_worker(out: Path) -> None:
@@ -256,7 +257,7 @@ def test_defaults_give_the_same_bits_on_one_two_and_three_ranks(defaults, model)
     import json
 
     one = _fps(defaults / "w1" / model)
-    assert len(one) == int(dict(DEFAULT_RUNS)[model][0].removeprefix("steps="))
+    assert len(one) == DEFAULT_STEPS[model]
     for w in (2, 3):
         assert _fps(defaults / f"w{w}" / model) == one, w
         threads = json.loads((defaults / f"w{w}" / model / "numerics.json").read_text())["threads"]
