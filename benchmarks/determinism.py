@@ -11,6 +11,7 @@ many distinct trajectories the repeats gave, and where the first divergence from
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 from collections import Counter
@@ -37,6 +38,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--models", nargs="+", default=["qwen3", "qwen3_moe"])
+    ap.add_argument(
+        "--json", type=Path, help="also write the table's rows here, one object per (model, determinism)"
+    )
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = ap.parse_args()
     register_configs()
@@ -82,6 +86,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for m, mode, t, ratio, d, n, first, where, rew in rows:
         print(f"| {m} | {mode} | {t:.3f} | {ratio:.2f}x | {d} of {n} | {first} | {where} | {rew:.3f} |")
+    if args.json:
+        keys = ("model", "determinism", "median_step_s", "vs_off", "distinct_trajectories", "repeats",
+                "earliest_divergence_step", "first_diverging_fingerprint", "reward_last5")  # fmt: skip
+        figures = {
+            "steps": args.steps,
+            "overrides": args.overrides,
+            "rows": [dict(zip(keys, r)) for r in rows],
+        }
+        args.json.write_text(json.dumps(figures, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--src-before", default=None)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", type=Path, help="also write ms_per_sample per (reward_workers, code) here")
     args = ap.parse_args()
+    figures: dict[str, dict] = {}
     here = str(Path(__file__).resolve().parents[1] / "src")
     srcs = {"now": here, **({"before": args.src_before} if args.src_before else {})}
     for workers in (0, 2):
@@ -63,6 +65,12 @@ def main() -> None:
         same = len({json.dumps(s) for s in scores.values()}) == 1
         row = ", ".join(f"{k} {min(v):.2f} ms/sample" for k, v in times.items())
         print(f"reward_workers={workers}: {row}; scores identical across code: {same}")
+        figures[f"reward_workers={workers}"] = {
+            "ms_per_sample": {k: min(v) for k, v in times.items()},
+            "same_scores": same,
+        }
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

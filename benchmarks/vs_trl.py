@@ -17,6 +17,7 @@ matched TRL row.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -150,6 +151,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--json", type=Path, help="also write the figures here (step_s, vs_trl, per_round, settings)"
+    )
     args = ap.parse_args()
     register_configs()
     matched = "TRL GRPOTrainer, same numerics (bf16=False, gradient_checkpointing=False)"
@@ -189,6 +193,31 @@ def main() -> None:
         med = statistics.median(ts)
         rounds = ", ".join(f"{pr[name] / pr[matched]:.2f}x" for pr in per_round)
         print(f"| {name} | {med:.3f} | {med / trl:.2f}x | {rounds} |")
+    if args.json:
+        write_json(args.json, times, per_round, matched, shown)
+
+
+JSON_KEYS = ("detrl_off", "detrl_on", "trl_matched", "trl_defaults")  # the rows of `times`, in order
+
+
+def write_json(path: Path, times: dict, per_round: list[dict], matched: str, shown: dict) -> None:
+    """The table's figures under short keys: median step seconds, each row / TRL matched, per round."""
+    names = dict(zip(times, JSON_KEYS))
+    trl = statistics.median(times[matched])
+    figures = {
+        "step_s": {names[k]: statistics.median(v) for k, v in times.items()},
+        "vs_trl": {names[k]: statistics.median(v) / trl for k, v in times.items()},
+        "per_round": [{names[k]: v / pr[matched] for k, v in pr.items()} for pr in per_round],
+        "workload": {
+            "prompts": PROMPTS,
+            "samples": SAMPLES,
+            "max_new_tokens": NEW_TOKENS,
+            "warmup_steps": WARMUP,
+        },
+        "trl_args_not_default": {k: repr(v) for k, v in shown.items()},
+        "threads": torch.get_num_threads(),
+    }
+    path.write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":
