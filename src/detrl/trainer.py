@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from detrl import actor, checkpoint, distributed, guards, plan
+from detrl import actor, checkpoint, distributed, guards, plan, runtime
 from detrl import determinism as det_mod
 from detrl.actor import ActorSpec
 from detrl.algos import lr_ratio, warmup_steps
@@ -129,21 +129,13 @@ def rollout_metrics(batch: StepBatch, adv: torch.Tensor) -> dict[str, float | st
 
 
 def build(cfg: TrainConfig):
-    """Seed, then the pieces every entrypoint needs: (determinism, tokenizer, task, ctx_len, policy, sampling)."""
+    """Seed, then the pieces every entrypoint needs: (determinism, tokenizer, task, runtime, policy, sampling)."""
     device = resolve_device(cfg.device)
-    det = det_mod.setup(
-        cfg.determinism,
-        cfg.seed,
-        device,
-        resolve_dtype(cfg.model.dtype, device),
-        cfg.activation_checkpointing,
-    )
-    check_compute_dtype(det.device, det.dtype, det.invariant_kernels)  # float16 on CPU: not under on
-    if det.device.type == "cuda" and det.invariant_kernels and det.dtype == torch.float32:
-        raise ConfigError(
-            "model.dtype=float32 is not valid with determinism.kernels=batch_invariant on CUDA: the "
-            "Triton kernels' float32 dots run in TF32; use model.dtype=bfloat16 (or auto)"
-        )
+    det = det_mod.setup(cfg.determinism, cfg.seed)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    check_compute_dtype(
+        device, dtype, det.invariant_kernels
+    )  # float16 on CPU / float32 on CUDA: not under on
     if cfg.model.path is not None:  # one line naming what the dir lacks, or its unsupported architecture
         arch = checkpoint_architecture(cfg.model.path, need_tokenizer=True)
         if arch != cfg.model.name:
@@ -155,9 +147,10 @@ def build(cfg: TrainConfig):
     task = build_task(cfg, tokenizer)  # the train split; its eval split is task.eval_task
     r = cfg.rollout
     ctx_len = context_length(task, tokenizer, r.max_new_tokens)
+    rt = runtime.make(det, device, dtype, cfg.activation_checkpointing, ctx_len)
     # the memory plan, before the model exists: a run that cannot fit is refused in one line
-    plan.require_fits(cfg, ctx_len, distributed.world_size(), det.device)
-    model = load_policy(cfg, tokenizer, task, ctx_len).to(det.device)  # float32 master weights
+    plan.require_fits(cfg, ctx_len, distributed.world_size(), rt.device)
+    model = load_policy(cfg, tokenizer, task, ctx_len).to(rt.device)  # float32 master weights
     if model.config.vocab_size < len(tokenizer):
         raise ConfigError(
             f"model.vocab_size={model.config.vocab_size} < the tokenizer's {len(tokenizer)} tokens"
@@ -165,12 +158,10 @@ def build(cfg: TrainConfig):
     sampling = SamplingParams(
         r.temperature, r.top_p, r.max_new_tokens, stop_token_ids(tokenizer, cfg.model.path)
     )
-    return det, tokenizer, task, ctx_len, model, sampling
+    return det, tokenizer, task, rt, model, sampling
 
 
-def make_engine(
-    cfg: TrainConfig, model, det, ctx_len: int, sampling: SamplingParams, tokenizer, run_dir: Path
-):
+def make_engine(cfg: TrainConfig, model, det, rt, sampling: SamplingParams, tokenizer, run_dir: Path):
     """The rollout engine of `rollout.backend`, holding the current policy weights."""
     r = cfg.rollout
     if r.backend == "sglang":
@@ -178,7 +169,7 @@ def make_engine(
         from detrl.rollout.sglang.launch import launch, server_argv, sglang_dtype, sglang_version
 
         s, urls, procs = r.sglang, list(r.sglang.urls), []
-        dtype = det.dtype  # served in the trainer's compute dtype (bf16 on GPUs), not its fp32 masters'
+        dtype = rt.dtype  # served in the trainer's compute dtype (bf16 on GPUs), not its fp32 masters'
         if not urls:  # launch our own servers from the current policy
             sglang_version()  # one line telling how to install it, if it is not
             init = run_dir / "sglang-init"
@@ -217,15 +208,14 @@ def make_engine(
         )
         engine.update_weights(model.state_dict())  # the servers start from the policy
         return engine
-    if det.device.type == "cuda":
-        if cfg.algo.routing_replay:
-            raise ConfigError(
-                f"algo.routing_replay=True is not valid: the CUDA engine (device={det.device.type}) "
-                "does not record expert ids (use device=cpu)"
-            )
+    if rt.cuda and cfg.algo.routing_replay:
+        raise ConfigError(
+            f"algo.routing_replay=True is not valid: the CUDA engine (device={rt.device.type}) "
+            "does not record expert ids (use device=cpu)"
+        )
     from detrl.rollout.registry import build_engine
 
-    return build_engine("embedded", det.device.type, model, det, ctx_len, sampling, cfg.seed, r)
+    return build_engine("embedded", rt.device.type, model, det, rt, sampling, cfg.seed, r)
 
 
 def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, float]:
@@ -244,22 +234,23 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
         OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
     # --- seed and build (rank 0 first: it builds and caches the warm start the others then load)
     with distributed.main_first():
-        det, tokenizer, task, ctx_len, model, sampling = build(cfg)
+        det, tokenizer, task, rt, model, sampling = build(cfg)
+    ctx_len = rt.ctx_len
     r = cfg.rollout
     use_ref = cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if use_ref else None
     model.train()
-    rope = rope_tables(model.config, ctx_len, det.device, det.dtype)
+    rope = rope_tables(model.config, ctx_len, rt.device, rt.dtype)
     # determinism=on: batch invariance proven on this device, dtype and model before step 0 (fail-closed)
-    numerics = {**preflight.numerics_contract(det, model, ctx_len, rope), "threads": threads}
+    numerics = {**preflight.numerics_contract(det, rt, model, rope), "threads": threads}
     if distributed.is_main():
         (run_dir / "numerics.json").write_text(json.dumps(numerics, indent=1))
-    engine = make_engine(cfg, model, det, ctx_len, sampling, tokenizer, run_dir)
+    engine = make_engine(cfg, model, det, rt, sampling, tokenizer, run_dir)
     if world > 1:  # FSDP2 over the trainer's models; this rank's engine serves its share of each generate
         distributed.shard(model, ref_model)
         engine = RankEngine(engine, det)
     dp = distributed.DataParallel(model, ordered=det.ordered_reduce)
-    scaler = LossScaler(det.dtype, det.device)  # float16: dynamic loss scaling; else a no-op
+    scaler = LossScaler(rt.dtype, rt.device)  # float16: dynamic loss scaling; else a no-op
     spec = ActorSpec.from_config(cfg)  # what the update reads of the config
     # fused: one kernel for all parameters (0.22 vs 1.09 ms per step on the default model)
     o = cfg.optim
@@ -313,7 +304,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
                 batch, data_pos = collect_partial(engine, source, state.buffer, step, data_pos, ctx_len)
             else:
                 batch, data_pos = collect(engine, source, step, data_pos, ctx_len)
-            batch = to_device(batch, det.device)
+            batch = to_device(batch, rt.device)
             t_rollout = time.perf_counter() - t0
             step_adv = StepAdvantages(cfg.algo, batch.scores, batch.group_ids, batch.mask, kl_coef)
             # --- update, then sync the engine's weights. The lr is a function of the step (verl's schedulers,
@@ -329,7 +320,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
                 batch,
                 step_adv,
                 spec,
-                det.ops,
+                rt.ops,
                 ctx_len,
                 rope,
                 version=step - 1,
