@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from detrl.trainer import build, train
+from detrl.builder import build
+from detrl.trainer import train
 from tests.conftest import ROOT, make_cfg, read_metrics
 from tests.data_fixtures import tiny_checkpoint, write_gsm8k, write_math
 

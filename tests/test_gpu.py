@@ -376,7 +376,7 @@ def test_gpu_probe_on_row_gives_one_output():
 @pytest.mark.gpu
 @cuda
 def test_gpu_float32_with_invariant_kernels_is_refused_in_one_line():
-    from detrl.trainer import build
+    from detrl.builder import build
     from tests.conftest import make_cfg
 
     with pytest.raises(ConfigError, match=r"^model.dtype=float32 is not valid with determinism.kernels="):

@@ -131,8 +131,8 @@ def probe(
     cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, rows: dict[str, Row] | None = None
 ) -> dict[str, dict[str, tuple[int, int]]]:
     """-> {row: {mode: (max distinct token outputs, max distinct token+logprob outputs)}} over the targets."""
+    from detrl.builder import build
     from detrl.determinism import stable_hash
-    from detrl.trainer import build
     from detrl.warmstart import encode
 
     rows = ROWS if rows is None else rows

@@ -11,14 +11,21 @@ from detrl.determinism import Determinism
 from detrl.models.ops import Ops, select_ops
 
 
+def context_length(task, tokenizer, max_new_tokens: int) -> int:
+    """The fixed key length shared by sampler and trainer: longest prompt (train and eval splits) + new tokens,
+    rounded up to 8."""
+    splits = [task] + ([task.eval_task] if getattr(task, "eval_task", None) is not None else [])
+    longest = max(len(ids) for t in splits for ids in t.encode_all(tokenizer))
+    return -(-(longest + max_new_tokens) // 8) * 8
+
+
 @dataclass(frozen=True)
 class Runtime:
     device: torch.device
     dtype: torch.dtype  # the compute dtype (master weights stay float32)
     ops: Ops
-    compile: (
-        bool  # torch.compile the CUDA engine's decode step (torch's kernels only: never the invariant ones)
-    )
+    # torch.compile the CUDA engine's decode step (torch's kernels only: never the invariant ones)
+    compile: bool
     ctx_len: int = 0  # the fixed key length shared by sampler and trainer (0: not known yet)
 
     @property

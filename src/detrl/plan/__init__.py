@@ -88,7 +88,7 @@ def context_bound(cfg: TrainConfig) -> int:
     new = cfg.rollout.max_new_tokens
     if cfg.data.name == "arithmetic":
         from detrl.data import build_task, tokenizer_for
-        from detrl.trainer import context_length
+        from detrl.runtime import context_length
 
         if cfg.model.path is None:
             tokenizer = tokenizer_for(cfg)
