@@ -18,40 +18,6 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-# Cycles outside detrl.models, each a pair of modules that import each other; their owners remove them (delete
-# the entry with the cycle). A cycle not listed here fails the test.
-KNOWN_CYCLES = [
-    {
-        "detrl.config",
-        "detrl.guards",
-    },  # config's validation calls guards.check_values; guards reads TrainConfig
-    {"detrl.plan", "detrl.trainer"},  # train() checks the plan; the plan reads trainer.context_length
-    # the config package's validate() methods import, lazily, the registries whose names they check (data,
-    # models, actor, collect, distributed), and those modules read the config's types: to break next
-    {
-        "detrl.actor.old_pass",
-        "detrl.collect",
-        "detrl.config",
-        "detrl.config.algo",
-        "detrl.config.cross",
-        "detrl.config.data",
-        "detrl.config.load",
-        "detrl.config.model",
-        "detrl.config.run",
-        "detrl.data.arithmetic",
-        "detrl.data.base",
-        "detrl.data.gsm8k",
-        "detrl.data.math_task",
-        "detrl.data.qwen_tokenizer",
-        "detrl.data.registry",
-        "detrl.device",
-        "detrl.distributed",
-        "detrl.guards",
-        "detrl.models.build",
-        "detrl.warmstart",
-    },  # fmt: skip
-]
-
 
 def module_names(src: Path = SRC) -> dict[str, Path]:
     """Dotted module name -> file, for every module under src (a package is its __init__)."""
@@ -132,9 +98,9 @@ def test_detrl_models_has_no_import_cycle(graph):
     assert not cycles(models), [nx.find_cycle(models.subgraph(c)) for c in cycles(models)]
 
 
-def test_src_detrl_has_no_import_cycle_but_the_known_ones(graph):
-    new = [c for c in cycles(graph) if not any(c <= known for known in KNOWN_CYCLES)]
-    assert not new, [nx.find_cycle(graph.subgraph(c)) for c in new]
+def test_src_detrl_has_no_import_cycle(graph):
+    found = cycles(graph)
+    assert not found, [nx.find_cycle(graph.subgraph(c)) for c in found]
 
 
 ROOT = SRC.parent

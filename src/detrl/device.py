@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from detrl.config import ConfigError
+from detrl.config.base import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
