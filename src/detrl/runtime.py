@@ -1,4 +1,4 @@
-"""Where and how a run computes, decided once in `trainer.build`: the device, the compute dtype, the op set,
+"""Where and how a run computes, decided once in `builder.build`: the device, the compute dtype, the op set,
 whether the CUDA engine compiles, the fixed key length. Whoever needs the device reads it here."""
 
 from __future__ import annotations
