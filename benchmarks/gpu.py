@@ -231,6 +231,7 @@ def rollout_section(name: str, batches: list[int], hf_tokens: int, determinism: 
     """hf_tokens 0: the engine alone. determinism on: the batch-invariant op set, fixed routing and per-sample
     seeds (as `train()` runs the engine under on); off: torch's kernels, dynamic routing, unseeded."""
     from detrl import determinism as det_mod
+    from detrl import runtime
     from detrl.models.forward import rope_tables  # noqa: F401
     from detrl.rollout import SamplingParams
     from detrl.rollout.base import Request
@@ -238,15 +239,17 @@ def rollout_section(name: str, batches: list[int], hf_tokens: int, determinism: 
 
     model = random_model(name)
     ctx = -(-(len(prompts(1)[0]) + NEW) // 8) * 8
-    det = det_mod.setup(determinism == "on", 0, "cuda", torch.bfloat16)
+    det = det_mod.setup(determinism == "on", 0)
+    rt = runtime.make(det, "cuda", torch.bfloat16)
     engine = CudaEngine(
         model,
-        det.ops,
+        rt.ops,
         ctx,
         SamplingParams(1.0, 1.0, NEW, ()),
         seed=0,
         max_batch_size=max(batches),
         fixed_routing=det.fixed_routing,
+        compile=rt.compile,
     )
     tag = "" if determinism == "off" else "/on"
     hf = model.to(torch.bfloat16)  # the engine holds its own bf16 copy; generate runs on the bf16 model
@@ -572,7 +575,7 @@ def profile(args: argparse.Namespace) -> None:
     ops = dataclasses.replace(CUDA_DEFAULT_OPS, dtype=torch.bfloat16)
     reqs = [Request(i // 8, i % 8, tuple(p)) for i, p in enumerate(prompts(args.batch))]
     for graphs in (True, False):
-        eng, _ = decode_engine(model, ops, args.batch, False, graphs=graphs)
+        eng, _ = decode_engine(model, ops, args.batch, False, graphs=graphs, compile=True)
         eng.generate(reqs)  # warm: captures the graphs
         step_ms = timed(lambda eng=eng: eng.generate(reqs)) / NEW * 1e3
         print(f"graphs={graphs}: {step_ms:.3f} ms per decode step (batch {args.batch})", flush=True)
@@ -593,22 +596,26 @@ def profiled(fn, enabled: bool) -> None:
 
 def profile16(args: argparse.Namespace) -> None:
     from detrl import determinism as det_mod
+    from detrl import runtime
     from detrl.models.forward import rope_tables
     from detrl.models.logprobs import sequence_logprobs
     from detrl.rollout.base import Request
 
     model = random_model(args.model)
     for mode in args.modes.split(","):
-        det = det_mod.setup(mode == "on", 0, "cuda", torch.bfloat16)
+        det = det_mod.setup(mode == "on", 0)
+        rt = runtime.make(det, "cuda", torch.bfloat16)
         reqs = [
             Request(i // 8, i % 8, tuple(p), seed=det.sampling_seed(1, i // 8, i % 8))
             for i, p in enumerate(prompts(args.batch))
         ]
-        eng, ctx = decode_engine(model, det.ops, args.batch, det.fixed_routing, dtype=torch.bfloat16)
+        eng, ctx = decode_engine(
+            model, rt.ops, args.batch, det.fixed_routing, dtype=torch.bfloat16, compile=rt.compile
+        )
         eng.generate(reqs)  # warm: captures the graphs
         step_ms = timed(lambda eng=eng, reqs=reqs: eng.generate(reqs)) / NEW * 1e3
         print(
-            f"[{mode}] {det.ops.name}: {step_ms:.3f} ms per decode step (batch {args.batch}, graphs)",
+            f"[{mode}] {rt.ops.name}: {step_ms:.3f} ms per decode step (batch {args.batch}, graphs)",
             flush=True,
         )
         profiled(lambda eng=eng, reqs=reqs: eng.generate(reqs), not args.no_profile)
@@ -619,7 +626,7 @@ def profile16(args: argparse.Namespace) -> None:
         mask = torch.zeros(args.batch, ctx - 1, device="cuda")
         mask[:, len(prompts(1)[0]) - 1 :] = 1
 
-        def fwd_bwd(ids=ids, mask=mask, ops=det.ops, rope=rope, ctx=ctx):
+        def fwd_bwd(ids=ids, mask=mask, ops=rt.ops, rope=rope, ctx=ctx):
             tok, ent = sequence_logprobs(model, ids, mask, ops, ctx, rope, 1.0, entropy=True)
             (tok.sum() + 0.01 * ent.sum()).backward()
             model.zero_grad(set_to_none=True)

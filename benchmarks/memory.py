@@ -134,6 +134,7 @@ def main() -> None:
     from detrl.determinism import setup
     from detrl.models.build import build_model
     from detrl.models.forward import rope_tables
+    from detrl.runtime import ops_for
     from detrl.trainer import update
 
     conf = Path(detrl.__file__).resolve().parents[2] / "conf"
@@ -184,7 +185,7 @@ def main() -> None:
     if args.rollout:
         from detrl.rollout import EmbeddedEngine, Request, SamplingParams
 
-        engine = EmbeddedEngine(model, det.ops, ctx, SamplingParams(1.0, 1.0, args.response, ()), seed=0)
+        engine = EmbeddedEngine(model, ops_for(det), ctx, SamplingParams(1.0, 1.0, args.response, ()), seed=0)
         reqs = [Request(i, 0, tuple(ids[0, :prompt].tolist()), seed=i) for i in range(args.rollout)]
         before, _ = rss_mib()
         t0 = time.perf_counter()
@@ -197,7 +198,7 @@ def main() -> None:
         return
     before, _ = rss_mib()
     t0 = time.perf_counter()
-    update(model, ref, opt, batch, adv, cfg, det.ops, ctx, rope, version=0)
+    update(model, ref, opt, batch, adv, cfg, ops_for(det), ctx, rope, version=0)
     seconds = time.perf_counter() - t0
     _, peak = rss_mib()
     new_api = "mini" if "ppo_mini_batch_size" in inspect.getsource(type(cfg.algo)) else "old"

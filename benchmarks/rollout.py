@@ -32,6 +32,7 @@ from detrl.config import ModelConfig
 from detrl.data import ArithmeticTask, build_tokenizer
 from detrl.determinism import setup
 from detrl.rollout import EmbeddedEngine, Request, SamplingParams
+from detrl.runtime import ops_for
 from detrl.warmstart import encode
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -78,7 +79,7 @@ def main() -> None:
         det = setup(on, 0)
         eng = EmbeddedEngine(
             model,
-            det.ops,
+            ops_for(det),
             ctx,
             params,
             seed=0,
@@ -168,7 +169,7 @@ def variable(args) -> None:
     out: dict = {"tokens_per_s": {}, "kv_bytes_peak": {}, "seconds": {}, "tokens": {}}
     for name in ("static", "continuous"):
         pool = args.kv_pool_tokens if name == "continuous" else 0
-        eng = EmbeddedEngine(model, det.ops, ctx, params, seed=0, num_workers=args.workers,
+        eng = EmbeddedEngine(model, ops_for(det), ctx, params, seed=0, num_workers=args.workers,
                              max_batch_size=args.max_batch_size, scheduler=name, kv_pool_tokens=pool)  # fmt: skip
         eng.generate(reqs[: 2 * n])  # warm-up: the workers start
         eng.update_weights(model.state_dict())  # as a step does: pools released, prefix cache cleared

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from detrl.trainer import build, train
+from detrl.builder import build
+from detrl.trainer import train
 from tests.conftest import ROOT, make_cfg, read_metrics
 from tests.data_fixtures import tiny_checkpoint, write_gsm8k, write_math
 
@@ -42,7 +43,8 @@ def test_model_path_brings_its_tokenizer_chat_template_and_stop_ids(files):
     cfg = make_cfg(
         f"model.path={files['ckpt']}", "data=gsm8k", f"data.path={files['gsm8k']['parquet']}", *SMALL
     )
-    det, tok, task, ctx_len, model, sampling = build(cfg)
+    det, tok, task, rt, model, sampling = build(cfg)
+    ctx_len = rt.ctx_len
     assert len(tok) == 151669 and model.config.vocab_size == 151936
     assert sampling.stop_token_ids == (
         151645,

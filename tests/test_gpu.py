@@ -46,15 +46,17 @@ def test_device_resolution():
 def test_cpu_default_ops_are_the_cpu_sets():
     """device=cpu, float32, no recomputation: the op sets themselves (the CPU default's bits)."""
     from detrl import determinism as det_mod
+    from detrl.runtime import make, ops_for
 
-    assert det_mod.setup(False, 0).ops is DEFAULT_OPS
-    assert det_mod.setup(True, 0).ops is BATCH_INVARIANT_OPS
+    assert ops_for(det_mod.setup(False, 0)) is DEFAULT_OPS
+    assert ops_for(det_mod.setup(True, 0)) is BATCH_INVARIANT_OPS
     torch.use_deterministic_algorithms(False)
-    gpu = det_mod.Determinism(det_mod.preset("off"), 0, torch.device("cuda"), torch.bfloat16)
+    gpu = make(det_mod.Determinism(det_mod.preset("off"), 0), torch.device("cuda"), torch.bfloat16)
     assert gpu.ops.moe is grouped_moe and gpu.ops.dtype == torch.bfloat16
-    on = det_mod.Determinism(det_mod.preset("on"), 0, torch.device("cuda"), torch.bfloat16)
+    on = make(det_mod.Determinism(det_mod.preset("on"), 0), torch.device("cuda"), torch.bfloat16)
     assert on.ops == dataclasses.replace(CUDA_INVARIANT_OPS, dtype=torch.bfloat16)
-    assert det_mod.Determinism(det_mod.preset("on"), 0).ops is BATCH_INVARIANT_OPS
+    assert ops_for(det_mod.Determinism(det_mod.preset("on"), 0)) is BATCH_INVARIANT_OPS
+    assert gpu.compile and not on.compile  # torch.compile with torch's kernels on CUDA only
 
 
 def test_grouped_tile_map():
@@ -270,10 +272,12 @@ def test_gpu_graph_replay_equals_eager(cfg):
     reqs = _requests(20, seeded=True)
     outs = []
     for graphs in (False, True, True):
-        eng = CudaEngine(model, ops, 32, params, seed=0, max_batch_size=32, graphs=graphs, sync_every=4)
+        eng = CudaEngine(
+            model, ops, 32, params, seed=0, max_batch_size=32, graphs=graphs, sync_every=4, compile=True
+        )
         outs.append([(r.tokens, r.logprobs) for r in eng.generate(reqs)])
     assert outs[0] == outs[1] == outs[2]
-    eng = CudaEngine(model, ops, 32, params, seed=0, max_batch_size=8, fixed_routing=False)
+    eng = CudaEngine(model, ops, 32, params, seed=0, max_batch_size=8, fixed_routing=False, compile=True)
     out = eng.generate(_requests(20, seeded=False))
     assert sorted(r.uid for r in out) == sorted(r.uid for r in _requests(20, seeded=False))
 
@@ -372,7 +376,7 @@ def test_gpu_probe_on_row_gives_one_output():
 @pytest.mark.gpu
 @cuda
 def test_gpu_float32_with_invariant_kernels_is_refused_in_one_line():
-    from detrl.trainer import build
+    from detrl.builder import build
     from tests.conftest import make_cfg
 
     with pytest.raises(ConfigError, match=r"^model.dtype=float32 is not valid with determinism.kernels="):

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch.nn.functional as F
 
-from detrl import determinism
 from detrl.config import ConfigError
+from detrl.models import ops as ops_mod
 from tests.conftest import TINY, make_cfg, run_tiny
 
 
@@ -24,12 +24,12 @@ def test_a_row_variant_op_set_is_refused_before_step_0(tmp_path, monkeypatch):
     from detrl.trainer import train
 
     broken = dataclasses.replace(
-        determinism.BATCH_INVARIANT_OPS,
+        ops_mod.BATCH_INVARIANT_OPS,
         name="broken",
         linear=F.linear,
-        attention=determinism.DEFAULT_OPS.attention,
+        attention=ops_mod.DEFAULT_OPS.attention,
     )
-    monkeypatch.setattr(determinism, "BATCH_INVARIANT_OPS", broken)
+    monkeypatch.setitem(ops_mod.OP_SETS, ("cpu", True), broken)
     with pytest.raises(
         ConfigError, match=r"determinism=on refused: batch invariance not proven on cpu .*broken"
     ):

@@ -9,6 +9,7 @@ import torch
 from detrl.analysis import STAGE, first_divergence
 from detrl.config import ConfigError
 from detrl.determinism import SOURCES, flipped, preset, setup
+from detrl.runtime import ops_for
 from tests.conftest import make_cfg, run_tiny
 
 FAST = ["steps=2"]
@@ -35,11 +36,14 @@ def test_presets_set_every_source_and_one_override_flips_one():
     assert flipped(vars(cfg), "on") == ["kernels=default"]
     det = setup(cfg, 0)
     assert (
-        det.ops.name == "default" and det.seeded_sampling and det.fixed_routing and not det.invariant_kernels
+        ops_for(det).name == "default"
+        and det.seeded_sampling
+        and det.fixed_routing
+        and not det.invariant_kernels
     )
     assert torch.are_deterministic_algorithms_enabled()
     released = setup(make_cfg("determinism=on", "determinism.torch_algorithms=default").determinism, 0)
-    assert released.ops.name == "batch_invariant" and not torch.are_deterministic_algorithms_enabled()
+    assert ops_for(released).name == "batch_invariant" and not torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(False)
 
 

@@ -11,13 +11,16 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from detrl.algos import filter_groups, overlong_penalty
-from detrl.config import TrainConfig
 from detrl.rollout import Request, Result
 from detrl.rollout.partial import Group, PartialBuffer, Sample
+
+if TYPE_CHECKING:  # annotations only: the config's validation imports this module
+    from detrl.config import TrainConfig
 
 PARTIAL_KEYS = (
     "partial/carried",

@@ -40,15 +40,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from detrl.models.ops import (
-    BATCH_INVARIANT_OPS,
-    CUDA_DEFAULT_OPS,
-    CUDA_INVARIANT_OPS,
-    DEFAULT_OPS,
-    Ops,
-    route,
-    route_topk,
-)
 from detrl.rollout.base import Request, Result
 
 # source -> (on value, off value)
@@ -134,9 +125,6 @@ def _sources(mode) -> dict[str, str]:
 class Determinism:
     sources: dict[str, str]  # every key of SOURCES -> its value
     seed: int
-    device: torch.device = torch.device("cpu")
-    dtype: torch.dtype = torch.float32  # the compute dtype (master weights stay float32)
-    activation_checkpointing: bool = False
 
     def _on(self, source: str) -> bool:
         return self.sources[source] == SOURCES[source][0]
@@ -168,21 +156,9 @@ class Determinism:
         return self._on("reduce")
 
     @property
-    def ops(self) -> Ops:
-        """The op set for these kernels, MoE routing and device (CPU, float32, no recomputation: the sets
-        themselves); on CUDA the batch-invariant kernels are Triton's (detrl.models.triton_ops)."""
-        cuda = self.device.type == "cuda"
-        if self.invariant_kernels:
-            base = CUDA_INVARIANT_OPS if cuda else BATCH_INVARIANT_OPS
-        else:
-            base = CUDA_DEFAULT_OPS if cuda else DEFAULT_OPS
-        changes = {}
-        routing = route if self._on("moe_routing") else route_topk
-        if base.route is not routing:
-            changes["route"] = routing
-        if self.dtype != torch.float32 or self.activation_checkpointing:
-            changes.update(dtype=self.dtype, checkpoint=self.activation_checkpointing)
-        return dataclasses.replace(base, **changes) if changes else base
+    def stable_routing(self) -> bool:
+        """MoE routing by stable sort (ties -> lowest expert id) rather than torch.topk."""
+        return self._on("moe_routing")
 
     def prompt_uid(self, data_position: int) -> int:
         """Stable id of the prompt at a data position (the same in every mode: ids are ids)."""
@@ -215,13 +191,7 @@ class Determinism:
         return sorted(results, key=lambda r: rank[r.uid])
 
 
-def setup(
-    mode,
-    seed: int,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    activation_checkpointing: bool = False,
-) -> Determinism:
+def setup(mode, seed: int) -> Determinism:
     """Seed every RNG from the run seed (CUDA's too: torch.manual_seed seeds every device) and set torch's
     global determinism flags, before any CUDA work (cuBLAS reads its workspace config at first use).
     `mode`: True / False (the on / off presets), a preset name, or a DeterminismConfig."""
@@ -241,10 +211,4 @@ def setup(
     torch.backends.cudnn.benchmark = not pinned
     torch.backends.cuda.matmul.allow_tf32 = not pinned
     torch.backends.cudnn.allow_tf32 = not pinned
-    return Determinism(
-        sources=sources,
-        seed=seed,
-        device=torch.device(device),
-        dtype=dtype,
-        activation_checkpointing=activation_checkpointing,
-    )
+    return Determinism(sources=sources, seed=seed)

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from detrl.config import ConfigError
+from detrl.config.base import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,6 +50,11 @@ def check_compute_dtype(device: torch.device, dtype: torch.dtype, invariant_kern
             "engine logprobs are not bitwise equal in float16 here; use determinism=off (or kernels=default), "
             "or model.dtype=bfloat16 / float32"
         )
+    if dtype == torch.float32 and device.type == "cuda" and invariant_kernels:
+        raise ConfigError(
+            "model.dtype=float32 is not valid with determinism.kernels=batch_invariant on CUDA: the "
+            "Triton kernels' float32 dots run in TF32; use model.dtype=bfloat16 (or auto)"
+        )
 
 
 def to_device(batch, device: torch.device):
@@ -60,3 +65,21 @@ def to_device(batch, device: torch.device):
         if isinstance(getattr(batch, f.name), torch.Tensor) and getattr(batch, f.name).device != device
     }
     return dataclasses.replace(batch, **moved) if moved else batch
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU with its core count."""
+    import os
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+
+
+def available_bytes(device: torch.device) -> float:
+    """Bytes this rank may use: free device memory (CUDA), or available RAM shared by the host's ranks (CPU)."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    import os
+
+    import psutil
+
+    return psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

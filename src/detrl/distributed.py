@@ -150,7 +150,7 @@ def same_run_dir(run_dir: Path) -> Path:
 
 def check_supported(cfg) -> None:
     """What the multi-rank path does not cover yet: one line, before anything runs."""
-    from detrl.config import ConfigError
+    from detrl.config.base import ConfigError
 
     if world_size() == 1:
         return

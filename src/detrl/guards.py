@@ -19,10 +19,12 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
-from detrl.config import ConfigError, TrainConfig
+from detrl.config.base import ConfigError
 
-if TYPE_CHECKING:  # config validation imports this module: no torch import at that point
+if TYPE_CHECKING:  # config validation imports this module: no torch import, no config import, at that point
     import torch
+
+    from detrl.config import TrainConfig
 
 GROUP_ESTIMATORS = ("grpo",)  # advantages relative to the prompt's group: one sample is its own baseline
 # floats for which inf is no setting (NaN is refused everywhere)

@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig
 
 from detrl.config import ConfigError, TrainConfig, register_configs, to_typed
-from detrl.determinism import Determinism, preset
+from detrl.models.ops import select_ops
 from detrl.rollout import EmbeddedEngine, Request
 
 MODES = ("single", "mixed", "prefix")
@@ -85,31 +85,35 @@ def _batch(
     return batch, pos
 
 
-def _engines(cfg: TrainConfig, det: Determinism, model, ctx_len: int, params, max_bs: int) -> dict:
+def _engines(cfg: TrainConfig, rt, model, params, max_bs: int) -> dict:
     """One engine per kernel set, on the run's device: the default set is the `off` preset's ops for that device,
     the batch-invariant one the `on` preset's (CPU: the embedded engine, one worker; CUDA: the CUDA engine)."""
 
     def ops(kernels: str):
-        return dataclasses.replace(det, sources=preset("on" if kernels == "batch_invariant" else "off")).ops
+        on = kernels == "batch_invariant"
+        return select_ops(rt.device.type, on, on, rt.dtype, rt.ops.checkpoint)
 
-    if det.device.type == "cuda":
+    if rt.cuda:
         from detrl.rollout.cuda import CudaEngine
 
         return {
             k: CudaEngine(
                 model,
                 ops(k),
-                ctx_len,
+                rt.ctx_len,
                 params,
                 seed=cfg.seed,
                 max_batch_size=max_bs,
-                device=det.device,
-                dtype=det.dtype,
+                device=rt.device,
+                dtype=rt.dtype,
+                compile=k == "default",
             )
             for k in ("default", "batch_invariant")
         }
     return {
-        k: EmbeddedEngine(model, ops(k), ctx_len, params, seed=cfg.seed, num_workers=1, max_batch_size=max_bs)
+        k: EmbeddedEngine(
+            model, ops(k), rt.ctx_len, params, seed=cfg.seed, num_workers=1, max_batch_size=max_bs
+        )
         for k in ("default", "batch_invariant")
     }
 
@@ -127,13 +131,13 @@ def probe(
     cfg: TrainConfig, trials: int, targets: int = 3, max_bs: int = 24, rows: dict[str, Row] | None = None
 ) -> dict[str, dict[str, tuple[int, int]]]:
     """-> {row: {mode: (max distinct token outputs, max distinct token+logprob outputs)}} over the targets."""
+    from detrl.builder import build
     from detrl.determinism import stable_hash
-    from detrl.trainer import build
     from detrl.warmstart import encode
 
     rows = ROWS if rows is None else rows
-    det, tokenizer, task, ctx_len, model, params = build(cfg)
-    engines = _engines(cfg, det, model, ctx_len, params, max_bs)
+    det, tokenizer, task, rt, model, params = build(cfg)
+    engines = _engines(cfg, rt, model, params, max_bs)
     pool = [tuple(encode(tokenizer, task[i].prompt)) for i in range(len(task))]
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     out: dict[str, dict[str, tuple[int, int]]] = {}

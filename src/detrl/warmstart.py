@@ -14,14 +14,17 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from detrl.config import DataConfig, ModelConfig, WarmstartConfig
 from detrl.models.build import build_model
 from detrl.models.forward import forward, rope_tables
 from detrl.models.ops import DEFAULT_OPS
+
+if TYPE_CHECKING:  # annotations only: the config's validation reaches this module through the data registry
+    from detrl.config import DataConfig, ModelConfig, WarmstartConfig
 
 from .determinism import stable_hash
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
@@ -14,7 +15,10 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from detrl.config import ConfigError, ModelConfig
+from detrl.config.base import ConfigError
+
+if TYPE_CHECKING:  # annotations only: the config's validation imports this module
+    from detrl.config import ModelConfig
 
 # config.json model_type -> detrl's model.name
 ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}

@@ -20,6 +20,7 @@ the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -293,3 +294,34 @@ CUDA_INVARIANT_OPS = Ops(
     silu_mul=_triton("silu_mul"),
     norm_rope=_triton("norm_rope"),
 )
+
+# (device type, batch-invariant kernels) -> the op set
+OP_SETS: dict[tuple[str, bool], Ops] = {
+    ("cpu", False): DEFAULT_OPS,
+    ("cpu", True): BATCH_INVARIANT_OPS,
+    ("cuda", False): CUDA_DEFAULT_OPS,
+    ("cuda", True): CUDA_INVARIANT_OPS,
+}
+
+
+def select_ops(
+    device_type: str,
+    invariant_kernels: bool,
+    stable_routing: bool,
+    dtype: torch.dtype = torch.float32,
+    checkpoint: bool = False,
+) -> Ops:
+    """The op set for a device, kernel choice and MoE routing (CPU, float32, no recomputation: the sets
+    themselves, so the CPU default's bits never move)."""
+    if (device_type, invariant_kernels) not in OP_SETS:
+        raise ValueError(
+            f"no op set for device={device_type!r}; choose one of {sorted({d for d, _ in OP_SETS})}"
+        )
+    base = OP_SETS[(device_type, invariant_kernels)]
+    changes: dict = {}
+    routing = route if stable_routing else route_topk
+    if base.route is not routing:
+        changes["route"] = routing
+    if dtype != torch.float32 or checkpoint:
+        changes.update(dtype=dtype, checkpoint=checkpoint)
+    return dataclasses.replace(base, **changes) if changes else base

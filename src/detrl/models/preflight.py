@@ -67,8 +67,7 @@ def gemm_shapes(weights: Weights) -> dict[str, torch.Tensor]:
 def check_rows(weights: Weights, ops: Ops, seed: int = 0) -> list[str]:
     """Each gemm shape (and the MoE block) on m rows at offset o vs the same rows of one call on every row."""
     dev, dtype = weights.embed.device, weights.embed.dtype
-    kind = "cuda" if dev.type == "cuda" else "cpu"
-    spread, total = ROWS[kind], REFERENCE_ROWS[kind]
+    spread, total = ROWS[dev.type], REFERENCE_ROWS[dev.type]
     g = torch.Generator().manual_seed(seed)
     calls = {
         f"{name} (K={w.shape[-1]}, N={w.shape[0]})": (w.shape[-1], lambda x, w=w: ops.linear(x, w))
@@ -226,64 +225,65 @@ def _driver_version() -> str:
         return "unknown"
 
 
-def numerics_contract(det, model, ctx_len: int, rope) -> dict:
-    """Before step 0. determinism.kernels=batch_invariant: `require` with the run's ops (raises PreflightError) and the negative
-    control with the device's default ops; off: nothing is checked. -> the run's numerics contract (JSON-able)."""
+def _contract(rt) -> dict:
+    """What the run's bits depend on: device, dtype, op set and its kernels, library versions, env."""
     import torch
 
-    from detrl.models.ops import CUDA_DEFAULT_OPS, DEFAULT_OPS
+    from detrl.device import device_name
 
-    dev = torch.device(det.device)
+    kernels = ("linear", "norm", "attention", "silu", "route", "moe", "linear_add", "silu_mul", "norm_rope")
     contract = {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-        "dtype": str(det.dtype),
-        "ops": det.ops.name,
+        "device": device_name(rt.device),
+        "dtype": str(rt.dtype),
+        "ops": rt.ops.name,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ},
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "kernels": {
-            f: getattr(getattr(det.ops, f), "__qualname__", repr(getattr(det.ops, f)))
-            for f in (
-                "linear",
-                "norm",
-                "attention",
-                "silu",
-                "route",
-                "moe",
-                "linear_add",
-                "silu_mul",
-                "norm_rope",
-            )
-            if getattr(det.ops, f) is not None
+            f: getattr(getattr(rt.ops, f), "__qualname__", repr(getattr(rt.ops, f)))
+            for f in kernels
+            if getattr(rt.ops, f) is not None
         },
     }
-    if dev.type == "cuda":
+    if rt.cuda:
         contract["driver"] = _driver_version()
     try:
         import triton
 
         contract["triton"] = triton.__version__
-        if dev.type == "cuda":
+        if rt.cuda:
             from detrl.models.triton_ops import LAUNCH
 
             contract["triton_launch"] = dict(LAUNCH)  # pinned on every launch (the bits depend on it)
     except ImportError:
         pass
+    return contract
+
+
+def numerics_contract(det, rt, model, rope) -> dict:
+    """Before step 0. determinism.kernels=batch_invariant: `require` with the run's ops (raises PreflightError) and
+    the negative control with the device's default ops; off: nothing is checked. -> the run's numerics contract
+    (JSON-able). `rt`: the run's detrl.runtime.Runtime."""
+    import dataclasses
+
+    import torch
+
+    from detrl.models.ops import OP_SETS
+
+    contract = _contract(rt)
     if not det.invariant_kernels:
         return {**contract, "preflight": "not run (determinism.kernels=default)"}
     with torch.no_grad():
-        weights = fuse(model, det.ops.dtype)
-    require(weights, det.ops, ctx_len, rope)
-    control = CUDA_DEFAULT_OPS if dev.type == "cuda" else DEFAULT_OPS
-    if det.ops.dtype is not None:
-        import dataclasses
-
-        control = dataclasses.replace(control, dtype=det.ops.dtype)
-    found = negative_control(weights, control, ctx_len, rope)
+        weights = fuse(model, rt.ops.dtype)
+    require(weights, rt.ops, rt.ctx_len, rope)
+    control = OP_SETS[(rt.device.type, False)]
+    if rt.ops.dtype is not None:
+        control = dataclasses.replace(control, dtype=rt.ops.dtype)
+    found = negative_control(weights, control, rt.ctx_len, rope)
     return {
         **contract,
         "preflight": "passed: rows and prefill/decode phases bitwise equal",
-        "gemm_rows_checked": list(ROWS["cuda" if dev.type == "cuda" else "cpu"]),
+        "gemm_rows_checked": list(ROWS[rt.device.type]),
         "negative_control": found or ["found nothing: on this device the check may be blind"],
     }

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from detrl.config import ConfigError, TrainConfig
@@ -89,7 +88,7 @@ def context_bound(cfg: TrainConfig) -> int:
     new = cfg.rollout.max_new_tokens
     if cfg.data.name == "arithmetic":
         from detrl.data import build_task, tokenizer_for
-        from detrl.trainer import context_length
+        from detrl.runtime import context_length
 
         if cfg.model.path is None:
             tokenizer = tokenizer_for(cfg)
@@ -171,19 +170,10 @@ def verdict(p: Plan, s: Shapes, w: Workload, lay: Layout, world: int) -> str:
     )
 
 
-def available(device) -> float:
-    """Bytes this rank may use: free device memory (CUDA), or available RAM shared by the host's ranks (CPU)."""
-    import torch
-
-    if device.type == "cuda":
-        return float(torch.cuda.mem_get_info(device)[0])
-    import psutil
-
-    return psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
 def require_fits(cfg: TrainConfig, ctx_len: int, world: int, device) -> None:
     """Before the model is built: raise PlanError (one line) when the plan exceeds what this rank has."""
-    p, s, w, lay = for_config(cfg, ctx_len, world, device.type, available(device))
+    from detrl.device import available_bytes
+
+    p, s, w, lay = for_config(cfg, ctx_len, world, device.type, available_bytes(device))
     if not p.fits:
         raise PlanError(verdict(p, s, w, lay, world))

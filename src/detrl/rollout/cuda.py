@@ -67,7 +67,7 @@ class CudaEngine:
         dtype: torch.dtype = torch.bfloat16,
         graphs: bool = True,
         sync_every: int = 16,
-        compile: bool | None = None,
+        compile: bool = False,
     ):
         self.device, self.dtype = torch.device(device), dtype
         self.ops = dataclasses.replace(ops, dtype=None, checkpoint=False)  # the weights are cast already
@@ -83,10 +83,8 @@ class CudaEngine:
         moe = getattr(self.config, "num_experts", None)
         self.graphs = graphs and not (moe and self.ops.moe is moe_dispatch)
         # torch.compile fuses a decode step's ~40 small kernels per layer into a few (launches dominate a step);
-        # default: with torch's kernels on CUDA (determinism off); never with the batch-invariant ops, whose
-        # bits must stay the trainer's eager ones
-        if compile is None:
-            compile = self.device.type == "cuda" and self.ops.name == "cuda_default"
+        # the runtime decides (detrl.runtime: with torch's kernels on CUDA, never with the batch-invariant ops,
+        # whose bits must stay the trainer's eager ones)
         # each compiled function specialises per bucket and sampling mode: let dynamo keep them all (its default
         # limit of 8 sent the 9th shape back to eager with a warning: the probe's batch sizes 1..24 hit it)
         buckets = _bucket(max_batch_size).bit_length()

@@ -1,4 +1,5 @@
-"""Rollout engines by (backend, device type): where a run's engine is built from its config."""
+"""Rollout engines by (backend, device type): where a run's engine is built from its config. Each builder takes
+(model, determinism, runtime, sampling, seed, rollout config)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ def register(backend: str, device: str):
 
 
 @register("embedded", "cpu")
-def _cpu(model, det, ctx_len: int, sampling, seed: int, rollout) -> Engine:
+def _cpu(model, det, rt, sampling, seed: int, rollout) -> Engine:
     from detrl.rollout.embedded import EmbeddedEngine
 
     return EmbeddedEngine(
         model,
-        det.ops,
-        ctx_len,
+        rt.ops,
+        rt.ctx_len,
         sampling,
         seed=seed,
         num_workers=rollout.num_workers,
@@ -38,19 +39,20 @@ def _cpu(model, det, ctx_len: int, sampling, seed: int, rollout) -> Engine:
 
 
 @register("embedded", "cuda")
-def _cuda(model, det, ctx_len: int, sampling, seed: int, rollout) -> Engine:
+def _cuda(model, det, rt, sampling, seed: int, rollout) -> Engine:
     from detrl.rollout.cuda import CudaEngine
 
     return CudaEngine(
         model,
-        det.ops,
-        ctx_len,
+        rt.ops,
+        rt.ctx_len,
         sampling,
         seed=seed,
         max_batch_size=rollout.max_batch_size,
         fixed_routing=det.fixed_routing,
-        device=det.device,
-        dtype=det.dtype,
+        device=rt.device,
+        dtype=rt.dtype,
+        compile=rt.compile,
     )
 
 

@@ -208,12 +208,13 @@ def main(argv: list[str] | None = None) -> None:
     from detrl.models.build import build_model
     from detrl.rollout.base import SamplingParams
     from detrl.rollout.embedded import EmbeddedEngine
+    from detrl.runtime import ops_for
 
     det = setup(args.deterministic, args.random_seed)
     model = build_model(ModelConfig(name=args.model, path=args.model_path), seed=args.random_seed)
     engine = EmbeddedEngine(
         model,
-        det.ops,
+        ops_for(det),
         args.ctx_len,
         SamplingParams(max_new_tokens=args.max_new_tokens),
         seed=args.random_seed,
