@@ -96,33 +96,60 @@ def test_pool_size_is_the_tokens_else_the_cap():
     assert device_pool_blocks(c, 64, 16, 8, 0, 16, torch.float32, "cpu") == 4  # at least one context
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GPU_MODELS = {"dense": ModelConfig(init="random", vocab_size=512),
+              "moe": ModelConfig(name="qwen3_moe", num_experts=4, num_experts_per_tok=2, init="random", vocab_size=512)}  # fmt: skip
+GPU_CTX = 96
 
 
-def _cuda_engine(name, det, **kw):
-    return CudaPagedEngine(_model(name), det.ops, 128, PARAMS, seed=1, device="cuda", dtype=det.dtype, **kw)
+def _gpu_run(model, ops, reqs, **kw):
+    eng = CudaPagedEngine(model, ops, GPU_CTX, PARAMS, seed=1, device="cuda", dtype=torch.bfloat16, **kw)
+    return eng, eng.generate(reqs)
 
 
 @pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
-def test_gpu_on_logprobs_are_the_trainers_and_invariant_to_the_schedule(name):
-    from detrl.models.forward import forward, fuse, rope_tables
-    from detrl.models.logprobs import sequence_logprobs  # noqa: F401 - the trainer's path exists
+@cuda
+@pytest.mark.parametrize("cfg", list(GPU_MODELS), ids=list(GPU_MODELS))
+def test_gpu_on_logprobs_are_the_trainers_and_invariant_to_the_schedule(cfg):
+    """The Triton op set in bf16, attention through the paged kernel: batch caps (3: many preemption-free
+    schedules), arrival order and block size change no bit, and the trainer's logprobs equal the engine's."""
+    from detrl.models.ops import CUDA_INVARIANT_OPS
+    from detrl.models.forward import rope_tables
+    from detrl.models.logprobs import sequence_logprobs
 
-    det = Determinism(preset("on"), seed=0)
+    model = build_model(GPU_MODELS[cfg], seed=0).cuda()
+    ops = dataclasses.replace(CUDA_INVARIANT_OPS, dtype=torch.bfloat16)
     reqs = _requests(groups=4, n=4)
-    ref = _cuda_engine(name, det, max_batch_size=64).generate(reqs)
-    assert _bits(_cuda_engine(name, det, max_batch_size=3).generate(reqs)) == _bits(ref)
-    back = _cuda_engine(name, det, max_batch_size=64).generate(reqs[::-1])
-    assert sorted(_bits(back)) == sorted(_bits(ref))
-    ops = dataclasses.replace(det.ops, dtype=None, checkpoint=False)
-    w = fuse(_model(name), det.dtype).map(lambda t: t.detach().to("cuda").clone())
-    rope = rope_tables(_model(name).config, 128, "cuda", det.dtype)
-    for r in ref:
-        seq = torch.tensor([list(r.request.prompt_ids) + r.tokens], device="cuda")
-        with torch.no_grad():
-            logits = forward(w, seq, ops, 128, rope)  # [1, T, V] the trainer's whole-sequence pass
-        logp = torch.log_softmax(logits.float(), -1)[0, len(r.request.prompt_ids) - 1 : -1]
-        got = logp.gather(-1, seq[0, len(r.request.prompt_ids) :, None])[:, 0].tolist()
-        assert got == r.logprobs, r.uid
+    eng, ref = _gpu_run(model, ops, reqs)
+    assert type(eng.core.pool).__name__ == "KernelPool"  # attention read the pool in place
+    assert _bits(_gpu_run(model, ops, reqs, max_batch_size=3)[1]) == _bits(ref)
+    assert _bits(_gpu_run(model, ops, reqs, block_size=4, prefill_chunk=5)[1]) == _bits(ref)
+    back = {r.uid: r for r in _gpu_run(model, ops, reqs[::-1])[1]}
+    assert _bits([back[r.uid] for r in ref]) == _bits(ref)
+    ids = torch.zeros(len(reqs), GPU_CTX, dtype=torch.long)
+    mask = torch.zeros(len(reqs), GPU_CTX - 1)
+    for i, (q, r) in enumerate(zip(reqs, ref)):
+        seq = list(q.prompt_ids) + r.tokens
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, len(q.prompt_ids) - 1 : len(seq) - 1] = 1
+    rope = rope_tables(model.config, GPU_CTX, "cuda", torch.bfloat16)
+    with torch.no_grad():
+        tok, _ = sequence_logprobs(model, ids.cuda(), mask.cuda(), ops, GPU_CTX, rope, 1.0)
+    trainer = [
+        tok[i, len(q.prompt_ids) - 1 : len(q.prompt_ids) - 1 + len(r.tokens)].tolist()
+        for i, (q, r) in enumerate(zip(reqs, ref))
+    ]
+    assert trainer == [r.logprobs for r in ref]
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_off_runs_sdpa_over_gathered_keys_close_to_the_trainer():
+    from detrl.models.ops import CUDA_DEFAULT_OPS
+
+    model = build_model(GPU_MODELS["dense"], seed=0).cuda()
+    ops = dataclasses.replace(CUDA_DEFAULT_OPS, dtype=torch.bfloat16)
+    reqs = _requests(groups=4, n=4, seeded=False)
+    eng, out = _gpu_run(model, ops, reqs, fixed_routing=False)
+    assert sorted(r.uid for r in out) == sorted(r.uid for r in reqs)
+    assert type(eng.core.pool).__name__ == "KVPool" and eng.stat("hit_blocks") > 0
