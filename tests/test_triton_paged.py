@@ -1,6 +1,6 @@
-"""The paged attention kernel under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess): bitwise the
-contiguous invariant kernel's rows on the gathered keys, for several block sizes and block layouts, in float32
-and float16 (the interpreter has no bfloat16), for decode, prefill from position 0 and chunked prefill."""
+"""The paged attention kernel under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess, as in
+tests/test_triton_interpret.py): bitwise the contiguous kernel's rows on the gathered keys, in float32 and
+float16, for several block sizes and scattered block tables, decode steps and chunked prefills alike."""
 
 from __future__ import annotations
 
@@ -16,40 +16,41 @@ SCRIPT = textwrap.dedent(
     """
     import json, torch
     from detrl.models.triton_attention import attention
-    from detrl.models.triton_paged import PagedKeys, paged_attention
+    from detrl.models.triton_paged import PagedMeta, paged_attention
 
+    g = torch.Generator().manual_seed(0)
     out = {}
-    B, H, HKV, L, D = 2, 4, 2, 70, 64  # 70 keys: two key blocks of 64, the second ragged
+    B, H, HKV, L, D = 2, 4, 2, 70, 64  # 70 keys: two key tiles of 64, the second ragged
+    pos = torch.arange(L)
+    causal = (pos[None, :] <= pos[:, None])[None, None]
     for dt in (torch.float32, torch.float16):
-        g = torch.Generator().manual_seed(0)
         q = torch.randn(B, H, L, D, generator=g).to(dt)
         k, v = (torch.randn(B, HKV, L, D, generator=g).to(dt) for _ in range(2))
-        pos = torch.arange(L)
-        causal = (pos[None, :] <= pos[:, None])[None, None]
-        train = attention(q, k, v, causal, 0.125)  # the contiguous kernel: every row at its position
-        for bs, order in ((4, "shuffled"), (8, "reversed"), (16, "shuffled"), (64, "in order")):
+        train = attention(q, k, v, causal, 0.125)  # the contiguous kernel: the trainer's rows
+        for bs in (8, 16, 64):
             width = -(-L // bs)
-            blocks = B * width + 3  # a few blocks no row uses
-            ids = torch.arange(blocks)
-            ids = {"in order": ids, "reversed": ids.flip(0), "shuffled": torch.randperm(blocks, generator=g)}[order]
-            tables = ids[: B * width].view(B, width)
+            blocks = 3 * B * width  # a pool with room to scatter; block `blocks` is the zero block
+            perm = torch.randperm(blocks, generator=g)[: B * width].view(B, width)
             size = (blocks + 1) * bs
-            slots = (tables[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :L]  # [B, L]
-            kp = torch.randn(HKV * size, D, generator=g).to(dt)  # junk in the unused slots
-            vp = torch.randn(HKV * size, D, generator=g).to(dt)
-            heads = (torch.arange(HKV) * size)[None, :, None]
-            kp[(slots[:, None, :] + heads).flatten()] = k.reshape(-1, D)
-            vp[(slots[:, None, :] + heads).flatten()] = v.reshape(-1, D)
-            name = f"{str(dt)[6:]}/bs{bs}/{order}"
-            def run(p0, t):
-                positions = (p0 + torch.arange(t))[None].expand(B, t)
-                keys = PagedKeys(positions, slots, size)
-                return paged_attention(q[:, :, p0 : p0 + t], kp, vp, keys, 0.125)
-            out[name] = {
-                "prefill": torch.equal(run(0, L), train),
-                "chunk": [torch.equal(run(p0, t), train[:, :, p0 : p0 + t]) for p0, t in ((8, 8), (60, 10), (33, 1))],
-                "decode": [torch.equal(run(p, 1), train[:, :, p : p + 1]) for p in (0, 5, 63, 64, 69)],
-            }
+            kp, vp = (torch.randn(HKV * size, D, generator=g).to(dt) for _ in range(2))  # stale slots: noise
+            for b in range(B):
+                slots = (perm[b, :, None] * bs + torch.arange(bs)).flatten()[:L]
+                for hh in range(HKV):
+                    kp[hh * size + slots] = k[b, hh]
+                    vp[hh * size + slots] = v[b, hh]
+            def run(qq, positions):
+                return paged_attention(qq, kp, vp, PagedMeta(perm, positions, size, bs, L), 0.125)
+            key = f"{str(dt)[6:]}_bs{bs}"
+            out[key + "_decode"] = [torch.equal(run(q[:, :, p : p + 1], torch.full((B, 1), p))[:, :, 0],
+                                                train[:, :, p]) for p in (0, 5, 63, 64, 69)]
+            # chunks starting mid-sequence (ragged and across the key tile edge), and a whole prefill
+            out[key + "_chunks"] = [torch.equal(run(q[:, :, a:z], torch.arange(a, z).expand(B, -1)),
+                                                train[:, :, a:z]) for a, z in ((0, 9), (13, 29), (60, 70), (0, 70))]
+            # rows of one batch at different positions (a decode batch: sequences of different lengths)
+            mixed = torch.tensor([[7], [66]])
+            qm = torch.stack([q[0, :, 7:8], q[1, :, 66:67]])
+            got = run(qm, mixed)
+            out[key + "_mixed"] = torch.equal(got[0, :, 0], train[0, :, 7]) and torch.equal(got[1, :, 0], train[1, :, 66])
     print("RESULT" + json.dumps(out))
     """
 )
@@ -67,9 +68,13 @@ def interpreted() -> dict:
     return json.loads(line[len("RESULT") :])
 
 
-def test_paged_rows_are_the_contiguous_kernels_bits_for_every_block_layout(interpreted):
-    assert len(interpreted) == 8  # 2 dtypes x 4 layouts
-    for name, r in interpreted.items():
-        assert r["prefill"], name
-        assert all(r["chunk"]), (name, r["chunk"])
-        assert all(r["decode"]), (name, r["decode"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_paged_rows_are_the_contiguous_kernels_rows(interpreted, dtype, block_size):
+    """Decode rows at positions 0, 5, 63, 64, 69; chunks [0, 9), [13, 29), [60, 70), [0, 70); a batch of two
+    sequences at different positions: each through a scattered block table over a pool whose other slots
+    hold noise, bitwise the contiguous kernel's causal pass."""
+    key = f"{dtype}_bs{block_size}"
+    assert all(interpreted[key + "_decode"]), interpreted[key + "_decode"]
+    assert all(interpreted[key + "_chunks"]), interpreted[key + "_chunks"]
+    assert interpreted[key + "_mixed"]
