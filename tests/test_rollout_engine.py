@@ -5,7 +5,7 @@ import torch
 
 from detrl.config import ModelConfig
 from detrl.determinism import Determinism, preset
-from detrl.models import BATCH_INVARIANT_OPS, build_model
+from detrl.models import BATCH_INVARIANT_OPS, DEFAULT_OPS, build_model
 from detrl.models.forward import fuse
 from detrl.rollout import EmbeddedEngine, Request, SamplingParams
 from detrl.rollout.scheduler import EngineCore
@@ -32,9 +32,11 @@ def _requests(groups=4, n=3):
     ]
 
 
-def _run(name, reqs, arrive=None, blocks=64, block_size=4, chunk=8, max_running=64, **kw):
+def _run(
+    name, reqs, arrive=None, blocks=64, block_size=4, chunk=8, max_running=64, ops=BATCH_INVARIANT_OPS, **kw
+):
     """Run requests through one core to the end; arrive[i]: the step request i is added at. -> {uid: bits}."""
-    core = EngineCore(_weights(name), BATCH_INVARIANT_OPS, CTX, blocks, block_size, chunk, max_running, **kw)
+    core = EngineCore(_weights(name), ops, CTX, blocks, block_size, chunk, max_running, **kw)
     arrive = arrive or [0] * len(reqs)
     out, step = {}, 0
     while len(out) < len(reqs):
@@ -199,3 +201,18 @@ def test_a_long_context_runs_with_the_kv_bounded_by_the_pool_cap():
         )  # < static's caches
     finally:
         eng.close()
+
+
+def test_the_schedule_is_a_source_only_with_the_default_kernels():
+    """What determinism.routing=dynamic releases: the running batch's make-up (who joins when). With torch's
+    default CPU kernels a sequence's bits depend on its batch-mates, so another arrival order or batch cap gives
+    other logprobs for the same seeded requests; the batch-invariant kernels give the same bits (above)."""
+    reqs = _requests()
+    base = _run("qwen3", reqs, ops=DEFAULT_OPS)[0]
+    other = [
+        _run("qwen3", reqs[::-1], ops=DEFAULT_OPS)[0],
+        _run("qwen3", reqs, ops=DEFAULT_OPS, max_running=3)[0],
+        _run("qwen3", reqs, ops=DEFAULT_OPS, arrive=[(7 * i) % 11 for i in range(len(reqs))])[0],
+    ]
+    assert any(o != base for o in other)
+    assert _run("qwen3", reqs[::-1])[0] == _run("qwen3", reqs)[0]
