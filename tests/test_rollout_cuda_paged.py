@@ -113,9 +113,9 @@ def _gpu_run(model, ops, reqs, **kw):
 def test_gpu_on_logprobs_are_the_trainers_and_invariant_to_the_schedule(cfg):
     """The Triton op set in bf16, attention through the paged kernel: batch caps (3: many preemption-free
     schedules), arrival order and block size change no bit, and the trainer's logprobs equal the engine's."""
-    from detrl.models.ops import CUDA_INVARIANT_OPS
     from detrl.models.forward import rope_tables
     from detrl.models.logprobs import sequence_logprobs
+    from detrl.models.ops import CUDA_INVARIANT_OPS
 
     model = build_model(GPU_MODELS[cfg], seed=0).cuda()
     ops = dataclasses.replace(CUDA_INVARIANT_OPS, dtype=torch.bfloat16)
