@@ -2,11 +2,13 @@
 
     python benchmarks/rollout.py                      # a default training step's rollout: 32 prompts x 8
     python benchmarks/rollout.py --prompts 8 --n 4    # vs_trl.py's batch: 8 prompts x 4 samples
-    python benchmarks/rollout.py --workload variable --json out.json   # static vs continuous vs generate
+    python benchmarks/rollout.py --workload variable --rounds 3 --json out.json   # static / continuous / generate
+    python benchmarks/rollout.py --workload long --rounds 1      # 2 prompts x 16 x 2048 tokens, KV bounded by the pool
 
-`--workload variable` (see `variable`): response lengths spread by a sampled stop token, prompts of several
-lengths, n samples each; the previous (static) engine, the continuous engine and transformers `generate` side
-by side in one run, with tokens/s and the KV bytes each engine held at its peak.
+`--workload variable|long` (see `variable`): the previous (static) engine, the continuous engine and transformers
+`generate` on the same requests in alternating rounds (`--rounds`, medians), JSON keys
+`tokens_per_s.{static,continuous,generate}`, `kv_bytes_peak.{static,continuous}`, `prefix` (prompt blocks taken
+from the cache), `ratio` (side-by-side ratios: what holds on a shared machine).
 
 The same tiny dense Qwen3 (seed-0 init) and the same prompts, each sampled n times; every sequence
 generates exactly `--new-tokens` tokens (no stop token), so tokens/s = prompts x n x new tokens /
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -61,10 +64,24 @@ def main() -> None:
         default=default.max_batch_size,
         help="engine batch cap (rollout.max_batch_size)",
     )
-    ap.add_argument("--workload", choices=("fixed", "variable"), default="fixed")
+    ap.add_argument("--workload", choices=("fixed", "variable", "long"), default="fixed")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="variable/long: alternating rounds (median per engine)"
+    )
     ap.add_argument("--json", type=Path, help="write the variable workload's numbers here")
     args = ap.parse_args()
-    if args.workload == "variable":
+    if args.workload == "long":  # 2 prompts x 16 samples x 2048 tokens unless given
+        given = {a.split("=")[0] for a in sys.argv[1:]}
+        for flag, key, value in (
+            ("--prompts", "prompts", 2),
+            ("--n", "n", 16),
+            ("--max-new", "max_new", 2048),
+        ):
+            if flag not in given:
+                setattr(args, key, value)
+    changed = {k: v for k, v in vars(args).items() if v != ap.get_default(k)}
+    print(f"settings that differ from the defaults: {changed or 'none'}")
+    if args.workload in ("variable", "long"):
         return variable(args)
     from detrl.models.build import build_model
 
@@ -153,59 +170,77 @@ def main() -> None:
 
 
 def variable(args) -> None:
-    """Random prompts of 8..64 tokens x n samples on the default 2-layer shape (seed-0 init), stop token 2 sampled
-    (about 1 in 64 steps: lengths from 1 to --max-new, most short); the same requests through each engine."""
+    """Random prompts x n samples on the default 2-layer shape (seed-0 init), the same requests through the static
+    engine, the continuous engine and transformers generate, in alternating rounds (median per engine).
+    variable: prompts of 8..64 tokens, stop token 2 sampled (about 1 in 64 steps: lengths from 1 to --max-new,
+    most short). long: 2 prompts x 16 samples, 2048 new tokens, no stop token (every row runs to the limit:
+    the KV the pool holds is what bounds it)."""
     from detrl.models.build import build_model
 
     new, n, prompts = args.max_new, args.n, args.prompts
+    stops = (2,) if args.workload == "variable" else ()
     g = torch.Generator().manual_seed(0)
     lens = [8 + int(x) for x in torch.randint(0, 57, (prompts,), generator=g)]
     ids = [tuple(int(t) for t in torch.randint(3, 64, (k,), generator=g)) for k in lens]
-    model = build_model(ModelConfig(), seed=0).eval()
     ctx = -(-(max(lens) + new) // 8) * 8
-    params = SamplingParams(1.0, 1.0, new, (2,))
+    model = build_model(ModelConfig(max_position_embeddings=max(64, ctx)), seed=0).eval()
+    params = SamplingParams(1.0, 1.0, new, stops)
     det = setup(True, 0)
     reqs = [Request(i, j, p, det.sampling_seed(1, i, j)) for i, p in enumerate(ids) for j in range(n)]
-    out: dict = {"tokens_per_s": {}, "kv_bytes_peak": {}, "seconds": {}, "tokens": {}}
+    engines = {}
     for name in ("static", "continuous"):
         pool = args.kv_pool_tokens if name == "continuous" else 0
-        eng = EmbeddedEngine(model, ops_for(det), ctx, params, seed=0, num_workers=args.workers,
-                             max_batch_size=args.max_batch_size, scheduler=name, kv_pool_tokens=pool)  # fmt: skip
-        eng.generate(reqs[: 2 * n])  # warm-up: the workers start
-        eng.update_weights(model.state_dict())  # as a step does: pools released, prefix cache cleared
-        t = time.perf_counter()
-        res = eng.generate(reqs)
-        sec = time.perf_counter() - t
-        toks = sum(len(r.tokens) for r in res)
-        out["seconds"][name], out["tokens"][name] = sec, toks
-        out["tokens_per_s"][name], out["kv_bytes_peak"][name] = toks / sec, eng.stat("kv_bytes_peak")
-        if name == "continuous":
-            full = (
-                sum((len(p) - 1) // eng.block_size for p in ids) * n
-            )  # prompt blocks n samples would compute
-            out["kv_pool_bytes"] = eng.stat("kv_pool_bytes")
-            out["prefix"] = {"hit_blocks": eng.stat("hit_blocks"), "block_size": eng.block_size,
-                             "preemptions": eng.stat("preemptions"),
-                             "full_prompt_blocks": full}  # fmt: skip
-            out["lengths"] = {"min": min(len(r.tokens) for r in res), "max": max(len(r.tokens) for r in res),
-                              "mean": toks / len(res)}  # fmt: skip
+        engines[name] = EmbeddedEngine(model, ops_for(det), ctx, params, seed=0, num_workers=args.workers,
+                                       max_batch_size=args.max_batch_size, scheduler=name,
+                                       kv_pool_tokens=pool)  # fmt: skip
+        engines[name].generate(reqs[: 2 * n])  # warm-up: the workers start
+    seconds: dict[str, list[float]] = {"static": [], "continuous": [], "generate": []}
+    tokens: dict[str, int] = {}
+    for _ in range(args.rounds):  # alternating: a shared machine's load falls on every engine alike
+        for name, eng in engines.items():
+            eng.update_weights(model.state_dict())  # as a step does: pools released, prefix cache cleared
+            t = time.perf_counter()
+            res = eng.generate(reqs)
+            seconds[name].append(time.perf_counter() - t)
+            tokens[name] = sum(len(r.tokens) for r in res)
+        sec, tokens["generate"] = _hf_variable(model, ids, n, new, stops)
+        seconds["generate"].append(sec)
+    out = _summary(args, engines, seconds, tokens, res, ids, n)
+    out["workload"] = {"name": args.workload, "prompts": prompts, "n": n, "max_new_tokens": new,
+                       "prompt_lengths": [min(lens), max(lens)], "stop_token_ids": list(stops),
+                       "workers": args.workers, "max_batch_size": args.max_batch_size, "ctx_len": ctx,
+                       "rounds": args.rounds}  # fmt: skip
+    for eng in engines.values():
         eng.close()
-    out["seconds"]["generate"], out["tokens"]["generate"] = _hf_variable(model, ids, n, new)
-    out["tokens_per_s"]["generate"] = out["tokens"]["generate"] / out["seconds"]["generate"]
-    out["ratio"] = {
-        "continuous_vs_static_tokens_per_s": out["tokens_per_s"]["continuous"]
-        / out["tokens_per_s"]["static"],
-        "continuous_vs_static_kv_peak": out["kv_bytes_peak"]["continuous"] / out["kv_bytes_peak"]["static"],
-    }
-    out["workload"] = {"prompts": prompts, "n": n, "max_new_tokens": new, "prompt_lengths": [min(lens), max(lens)],
-                       "workers": args.workers, "max_batch_size": args.max_batch_size, "ctx_len": ctx}  # fmt: skip
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 
 
-def _hf_variable(model, ids, n, new) -> tuple[float, int]:
-    """transformers generate on the same prompts (left-padded), stopping rows at token 2; -> (s, tokens)."""
+def _summary(args, engines, seconds, tokens, res, ids, n) -> dict:
+    """Medians, tokens/s, KV peaks, prefix-cache counts and the ratios measured side by side."""
+    med = {k: statistics.median(v) for k, v in seconds.items()}
+    out: dict = {"seconds": med, "seconds_all": seconds, "tokens": tokens,
+                 "tokens_per_s": {k: tokens[k] / med[k] for k in med},
+                 "kv_bytes_peak": {k: e.stat("kv_bytes_peak") for k, e in engines.items()}}  # fmt: skip
+    cont = engines["continuous"]
+    out["kv_pool_bytes"] = cont.stat("kv_pool_bytes")
+    full = sum((len(p) - 1) // cont.block_size for p in ids) * n  # prompt blocks n samples would compute
+    out["prefix"] = {"hit_blocks": cont.stat("hit_blocks"), "block_size": cont.block_size,
+                     "preemptions": cont.stat("preemptions"), "full_prompt_blocks": full}  # fmt: skip
+    lens = [len(r.tokens) for r in res]
+    out["lengths"] = {"min": min(lens), "max": max(lens), "mean": sum(lens) / len(lens)}
+    tps, kv = out["tokens_per_s"], out["kv_bytes_peak"]
+    out["ratio"] = {
+        "continuous_vs_static_tokens_per_s": tps["continuous"] / tps["static"],
+        "continuous_vs_generate_tokens_per_s": tps["continuous"] / tps["generate"],
+        "continuous_vs_static_kv_peak": kv["continuous"] / kv["static"] if kv["static"] else None,
+    }
+    return out
+
+
+def _hf_variable(model, ids, n, new, stops) -> tuple[float, int]:
+    """transformers generate on the same prompts (left-padded), stopping rows at the stop token; -> (s, tokens)."""
     width = max(map(len, ids))
     left = torch.zeros(len(ids), width, dtype=torch.long)
     attn = torch.zeros_like(left)
@@ -215,11 +250,16 @@ def _hf_variable(model, ids, n, new) -> tuple[float, int]:
     t = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=left, attention_mask=attn, do_sample=True, max_new_tokens=new,
-                             num_return_sequences=n, eos_token_id=2, pad_token_id=0, top_k=0)  # fmt: skip
+                             min_new_tokens=0 if stops else new, num_return_sequences=n,
+                             eos_token_id=stops[0] if stops else None, pad_token_id=0, top_k=0)  # fmt: skip
     sec = time.perf_counter() - t
     gen = out[:, width:]
-    ended = (gen == 2).int().cumsum(-1)
-    tokens = int(((ended == 0) | ((ended == 1) & (gen == 2))).sum())  # up to and including the stop token
+    if not stops:
+        return sec, gen.numel()
+    ended = (gen == stops[0]).int().cumsum(-1)
+    tokens = int(
+        ((ended == 0) | ((ended == 1) & (gen == stops[0]))).sum()
+    )  # up to and including the stop token
     return sec, tokens
 
 

@@ -5,7 +5,7 @@ import torch
 
 from detrl.config import ModelConfig
 from detrl.determinism import Determinism, preset
-from detrl.models import BATCH_INVARIANT_OPS, build_model
+from detrl.models import BATCH_INVARIANT_OPS, DEFAULT_OPS, build_model
 from detrl.models.forward import fuse
 from detrl.rollout import EmbeddedEngine, Request, SamplingParams
 from detrl.rollout.scheduler import EngineCore
@@ -32,9 +32,11 @@ def _requests(groups=4, n=3):
     ]
 
 
-def _run(name, reqs, arrive=None, blocks=64, block_size=4, chunk=8, max_running=64, **kw):
+def _run(
+    name, reqs, arrive=None, blocks=64, block_size=4, chunk=8, max_running=64, ops=BATCH_INVARIANT_OPS, **kw
+):
     """Run requests through one core to the end; arrive[i]: the step request i is added at. -> {uid: bits}."""
-    core = EngineCore(_weights(name), BATCH_INVARIANT_OPS, CTX, blocks, block_size, chunk, max_running, **kw)
+    core = EngineCore(_weights(name), ops, CTX, blocks, block_size, chunk, max_running, **kw)
     arrive = arrive or [0] * len(reqs)
     out, step = {}, 0
     while len(out) < len(reqs):
@@ -172,3 +174,45 @@ def test_calls_submitted_while_others_run_join_them_and_stream_back_in_completio
     eng.close()
     assert sorted(r.uid for r in got) == sorted(alone)
     assert all((r.tokens, r.logprobs) == alone[r.uid] for r in got)
+
+
+@pytest.mark.slow
+def test_a_long_context_runs_with_the_kv_bounded_by_the_pool_cap():
+    """max_new_tokens=2048, 2 prompts x 16 samples on the default shape: a static engine would hold 32 full
+    contexts of KV; the automatic pool is capped by kv_pool_max_tokens (here 4 contexts per worker), the run
+    completes and the peak KV stays within the cap's bytes."""
+    model = build_model(ModelConfig(max_position_embeddings=2112), seed=0)
+    det = Determinism(preset("on"), seed=0)
+    params = SamplingParams(1.0, 1.0, 2048, (EOS,))
+    reqs = [Request(g, j, (5 + g, 7, 9, 11), det.sampling_seed(1, g, j)) for g in range(2) for j in range(16)]
+    ctx, cap = 2112, 4 * 2112
+    eng = EmbeddedEngine(
+        model, BATCH_INVARIANT_OPS, ctx, params, seed=0, num_workers=2, kv_pool_max_tokens=cap
+    )
+    try:
+        out = eng.generate(reqs)
+        c = model.config
+        cap_bytes = 2 * eng.num_workers * cap * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+        assert sorted(r.uid for r in out) == sorted(r.uid for r in reqs)
+        assert all(r.finish_reason in ("stop", "length") for r in out)
+        assert 0 < eng.stat("kv_bytes_peak") <= eng.stat("kv_pool_bytes") <= cap_bytes
+        assert eng.stat("kv_pool_bytes") < 32 * ctx * cap_bytes // (
+            eng.num_workers * cap
+        )  # < static's caches
+    finally:
+        eng.close()
+
+
+def test_the_schedule_is_a_source_only_with_the_default_kernels():
+    """What determinism.routing=dynamic releases: the running batch's make-up (who joins when). With torch's
+    default CPU kernels a sequence's bits depend on its batch-mates, so another arrival order or batch cap gives
+    other logprobs for the same seeded requests; the batch-invariant kernels give the same bits (above)."""
+    reqs = _requests()
+    base = _run("qwen3", reqs, ops=DEFAULT_OPS)[0]
+    other = [
+        _run("qwen3", reqs[::-1], ops=DEFAULT_OPS)[0],
+        _run("qwen3", reqs, ops=DEFAULT_OPS, max_running=3)[0],
+        _run("qwen3", reqs, ops=DEFAULT_OPS, arrive=[(7 * i) % 11 for i in range(len(reqs))])[0],
+    ]
+    assert any(o != base for o in other)
+    assert _run("qwen3", reqs[::-1])[0] == _run("qwen3", reqs)[0]

@@ -73,8 +73,9 @@ class RolloutConfig:
     block_size: int = 8  # KV tokens per pool block
     prefill_chunk: int = 64  # prompt tokens a sequence prefills per step
     kv_pool_tokens: int = (
-        0  # KV tokens per worker pool; 0 = max_batch_size x ctx_len within half the free memory
+        0  # KV tokens per worker pool; 0 = min(max_batch_size x ctx_len, the cap, half the free memory)
     )
+    kv_pool_max_tokens: int = 65536  # the cap on an automatic pool (kv_pool_tokens=0), per worker / engine
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
@@ -94,5 +95,11 @@ class RolloutConfig:
             check(getattr(self, key) >= 1, f"rollout.{key}", getattr(self, key), "must be >= 1")
         check(
             self.kv_pool_tokens >= 0, "rollout.kv_pool_tokens", self.kv_pool_tokens, "must be >= 0 (0 = auto)"
+        )
+        check(
+            self.kv_pool_max_tokens >= 1,
+            "rollout.kv_pool_max_tokens",
+            self.kv_pool_max_tokens,
+            "must be >= 1",
         )
         self.partial.validate()

@@ -36,11 +36,13 @@ from detrl.rollout.scheduler import EngineCore
 from detrl.rollout.static import POLL_S, Sampler, serve_static
 
 
-def pool_blocks(config, ctx_len: int, block_size: int, max_running: int, workers: int, tokens: int) -> int:
-    """Blocks per worker pool: `tokens` (the cap) or, when 0, what max_running full contexts need, within half
-    the memory free now split over the workers."""
+def pool_blocks(
+    config, ctx_len: int, block_size: int, max_running: int, workers: int, tokens: int, cap: int = 0
+) -> int:
+    """Blocks per worker pool: `tokens` or, when 0, what max_running full contexts need, within the cap (0: none)
+    and half the memory free now split over the workers."""
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
-    want = tokens or max_running * ctx_len
+    want = tokens or min(max_running * ctx_len, cap or max_running * ctx_len)
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2 // workers
         want = min(want, free // per_token)
@@ -125,6 +127,7 @@ class EmbeddedEngine:
         block_size: int = 8,
         prefill_chunk: int = 64,
         kv_pool_tokens: int = 0,
+        kv_pool_max_tokens: int = 0,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}: need at least 1")
@@ -136,7 +139,7 @@ class EmbeddedEngine:
         self.batch_window_s, self.scheduler = batch_window_s, scheduler
         self.block_size, self.prefill_chunk = block_size, prefill_chunk
         self.blocks = pool_blocks(
-            model.config, ctx_len, block_size, max_batch_size, num_workers, kv_pool_tokens
+            model.config, ctx_len, block_size, max_batch_size, num_workers, kv_pool_tokens, kv_pool_max_tokens
         )
         self.deterministic = torch.are_deterministic_algorithms_enabled()  # set by determinism.setup
         # the weights the workers read: shared memory, overwritten in place at each sync

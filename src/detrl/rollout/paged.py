@@ -38,15 +38,35 @@ class SeqBlocks:
 class KVPool:
     """Per layer K and V [blocks + 1, block_size, Hkv, D]; block `blocks` stays zero (unused key slots)."""
 
-    def __init__(self, config, blocks: int, block_size: int, dtype: torch.dtype, ctx_len: int):
-        self.blocks, self.block_size, self.ctx_len = blocks, block_size, ctx_len
+    def __init__(
+        self,
+        config,
+        blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        ctx_len: int,
+        device: torch.device | str = "cpu",
+    ):
+        self.blocks, self.block_size, self.ctx_len, self.device = (
+            blocks,
+            block_size,
+            ctx_len,
+            torch.device(device),
+        )
         self.hkv, self.size = config.num_key_value_heads, (blocks + 1) * block_size  # slots per head
         shape = (self.hkv * self.size, config.head_dim)  # head-major: a row's gather is one copy
         layers = config.num_hidden_layers
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.block_bytes = 2 * layers * block_size * self.hkv * shape[1] * self.k[0].element_size()
-        self._heads = torch.arange(self.hkv) * self.size  # [Hkv] offset of each head's slots
+        self._heads = torch.arange(self.hkv, device=device) * self.size  # [Hkv] offset of each head's slots
+
+    def mask(self, positions: torch.Tensor, slots: torch.Tensor):
+        """What the op set's attention takes as its mask: [B, 1, T, ctx_len] key <= the query's position."""
+        return (
+            torch.arange(self.ctx_len, device=positions.device)[None, None, None, :]
+            <= positions[:, None, :, None]
+        )
 
     def slots(self, tables: list[list[int]]) -> torch.Tensor:
         """[B, ctx_len] pool slot of each position of sequences with these block tables (the zero block past
@@ -159,11 +179,11 @@ def paged_forward(
     b = tokens.shape[0]
     cos, sin = rope
     rot = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, T, 1, D]
-    mask = torch.arange(ctx_len)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]
+    mask = pool.mask(positions, slots)  # [B, 1, T, L] (or what the pool's attention reads instead)
     eps, hd = c.rms_norm_eps, c.head_dim
     top_k, norm_topk = getattr(c, "num_experts_per_tok", 0), getattr(c, "norm_topk_prob", False)
     h = w.embed[tokens]  # [B, T, H]
-    rows = torch.arange(b)
+    rows = torch.arange(b, device=tokens.device)
     plan = pool.plan(write, valid, slots)
     chosen = []
     for i, lw in enumerate(w.layers):

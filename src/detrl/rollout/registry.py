@@ -35,12 +35,31 @@ def _cpu(model, det, rt, sampling, seed: int, rollout) -> Engine:
         block_size=rollout.block_size,
         prefill_chunk=rollout.prefill_chunk,
         kv_pool_tokens=rollout.kv_pool_tokens,
+        kv_pool_max_tokens=rollout.kv_pool_max_tokens,
     )
 
 
 @register("embedded", "cuda")
 def _cuda(model, det, rt, sampling, seed: int, rollout) -> Engine:
-    from detrl.rollout.cuda import CudaEngine
+    if rollout.scheduler == "continuous":  # the paged scheduler core on the device
+        from detrl.rollout.cuda_paged import CudaPagedEngine
+
+        return CudaPagedEngine(
+            model,
+            rt.ops,
+            rt.ctx_len,
+            sampling,
+            seed=seed,
+            max_batch_size=rollout.max_batch_size,
+            fixed_routing=det.fixed_routing,
+            device=rt.device,
+            dtype=rt.dtype,
+            block_size=rollout.block_size,
+            prefill_chunk=rollout.prefill_chunk,
+            kv_pool_tokens=rollout.kv_pool_tokens,
+            kv_pool_max_tokens=rollout.kv_pool_max_tokens,
+        )
+    from detrl.rollout.cuda import CudaEngine  # static: the bucketed engine with CUDA graphs
 
     return CudaEngine(
         model,

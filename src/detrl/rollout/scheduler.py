@@ -67,6 +67,8 @@ class EngineCore:
         max_running: int,
         generator: torch.Generator | None = None,
         prefix_cache: bool = True,
+        device: torch.device | str = "cpu",
+        pool_type: type[KVPool] = KVPool,
     ):
         need = -(-ctx_len // block_size)
         if blocks < need:
@@ -80,7 +82,8 @@ class EngineCore:
             max_running,
             blocks,
         )
-        self.rope = rope_tables(weights.config, ctx_len, dtype=weights.embed.dtype)
+        self.device, self.pool_type = torch.device(device), pool_type  # where the pool and the forward live
+        self.rope = rope_tables(weights.config, ctx_len, self.device, weights.embed.dtype)
         self.generator = generator or torch.Generator().manual_seed(0)
         self.pool: KVPool | None = None
         self.manager = BlockManager(blocks, block_size)
@@ -127,8 +130,13 @@ class EngineCore:
     def step(self) -> list[Finished]:
         """Admit, run one prefill call and one decode call, and return the sequences that finished."""
         if self.pool is None:
-            self.pool = KVPool(
-                self.weights.config, self.num_blocks, self.block_size, self.weights.embed.dtype, self.ctx_len
+            self.pool = self.pool_type(
+                self.weights.config,
+                self.num_blocks,
+                self.block_size,
+                self.weights.embed.dtype,
+                self.ctx_len,
+                self.device,
             )
         done = [self._finish(s, "length" if s.room <= 0 else "abort") for s in self._admit() if s.limit <= 0]
         self.running = [s for s in self.running if s.limit > 0]
@@ -203,18 +211,19 @@ class EngineCore:
         slots = pool.slots([s.blocks.table for s in batch])  # [B, ctx_len]
         write = slots.gather(1, positions)  # [B, T] the pool slot of each token
         last = torch.tensor(n) - 1
+        dev = self.device
         logits, route = paged_forward(
             self.weights,
-            tokens,
-            positions,
+            tokens.to(dev),
+            positions.to(dev),
             self.ops,
             self.ctx_len,
             self.rope,
             pool,
-            write,
-            valid,
-            slots,
-            last,
+            write.to(dev),
+            valid.to(dev),
+            slots.to(dev),
+            last.to(dev),
         )
         self.computed_tokens += sum(n)
         for i, s in enumerate(batch):
@@ -243,9 +252,10 @@ class EngineCore:
             groups.setdefault((s.params.temperature, s.params.top_p), []).append(i)
         for (temperature, top_p), idx in groups.items():
             logp = log_probs(logits[idx], temperature)  # [G, V]
-            tok = sample(logp, self._noise([rows[i] for i in idx], logp.shape[-1]), top_p)
+            noise = self._noise([rows[i] for i in idx], logp.shape[-1]).to(logp.device)
+            tok = sample(logp, noise, top_p)
             lp = logp.gather(-1, tok[:, None]).squeeze(-1).tolist()
-            experts = None if route is None else route[idx].to(torch.int16).numpy()
+            experts = None if route is None else route[idx].to(torch.int16).cpu().numpy()
             for j, (i, t) in enumerate(zip(idx, tok.tolist())):
                 s = rows[i]
                 s.tokens.append(t)

@@ -1,0 +1,172 @@
+"""The embedded engine on a device, on the paged scheduler core: one in-process `scheduler.EngineCore`.
+
+The scheduling and bookkeeping (waiting / running queues, chunked prefill, preemption, hashed prefix blocks,
+sampling) are the CPU engine's code; what is device-specific is small: the weights and the KV pool's tensors
+live on `device`, and under the invariant op set (determinism on, `cuda_invariant`) attention reads the pool
+through the block tables with the Triton paged kernel (`models.triton_paged`, bitwise the trainer's contiguous
+kernel); otherwise (determinism off on CUDA) the keys are gathered and the default op set's attention runs over
+them (torch SDPA under the mask). On CPU (`device="cpu"`) it runs the given op set over gathered keys, exactly as
+an `EmbeddedEngine` worker does: the bits are the worker's (the CPU test of this code path).
+
+The pool is sized from the device's free memory and the cap (`pool_blocks`), freed at `update_weights` and
+rebuilt at the next call; the weights are updated in place. One replica: fixed and dynamic routing both add
+every request to the core (results in request order under fixed routing, else in completion order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+
+from detrl.models.forward import fuse
+from detrl.models.ops import Ops, sdpa_attention
+from detrl.rollout.base import Request, Result, SamplingParams
+from detrl.rollout.batching import check_fits, prompt_groups
+from detrl.rollout.paged import KVPool
+from detrl.rollout.scheduler import EngineCore
+
+INVARIANT_OPS = "cuda_invariant"  # the op set whose attention the paged kernel replaces
+
+
+class KernelPool(KVPool):
+    """A pool whose attention reads it in place: the mask carries the block tables and positions, and
+    `write_read` returns the layer's whole K and V pool (no gather)."""
+
+    def mask(self, positions: torch.Tensor, slots: torch.Tensor):
+        from detrl.models.triton_paged import PagedMeta
+
+        table = torch.div(slots[:, :: self.block_size], self.block_size, rounding_mode="floor")  # [B, W]
+        return PagedMeta(table, positions, self.size, self.block_size, self.ctx_len)
+
+    def write_read(self, layer: int, k, v, plan: tuple):
+        idx, mask, _ = plan
+        d = k.shape[-1]
+        self.k[layer].index_copy_(0, idx, k.reshape(-1, d)[mask])
+        self.v[layer].index_copy_(0, idx, v.reshape(-1, d)[mask])
+        return self.k[layer], self.v[layer]
+
+
+def device_pool_blocks(
+    config, ctx_len: int, block_size: int, max_running: int, tokens: int, cap: int, dtype, device
+) -> int:
+    """Blocks of a device pool: `tokens`, or when 0 min(max_running full contexts, the cap, half the free memory)."""
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    want = tokens or min(max_running * ctx_len, cap or max_running * ctx_len)
+    if not tokens and torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        want = min(want, free // 2 // per_token)
+    return max(-(-ctx_len // block_size), want // block_size)
+
+
+class CudaPagedEngine:
+    """Holds its own copy of the policy weights on `device` (synced in place by `update_weights`)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ops: Ops,
+        ctx_len: int,
+        params: SamplingParams,
+        seed: int,
+        max_batch_size: int = 64,
+        fixed_routing: bool = True,
+        device: torch.device | str = "cuda",
+        dtype: torch.dtype = torch.bfloat16,
+        block_size: int = 16,
+        prefill_chunk: int = 512,
+        kv_pool_tokens: int = 0,
+        kv_pool_max_tokens: int = 65536,
+    ):
+        self.device, self.ctx_len, self.params = torch.device(device), ctx_len, params
+        self.max_batch_size, self.fixed_routing = max_batch_size, fixed_routing
+        self.config = model.config
+        with torch.device("meta"):  # a weightless twin: a state dict is fused through it
+            self._twin = type(model)(model.config)
+        on_cpu = self.device.type == "cpu"
+        if on_cpu:  # the CPU worker's setup: the op set as given, weights fused in its compute dtype
+            self.ops, fused = ops, fuse(model, ops.dtype)
+        else:  # as CudaEngine: the weights cast once, the op set's attention per determinism
+            attention = _paged_attention if ops.name == INVARIANT_OPS else sdpa_attention
+            self.ops = dataclasses.replace(ops, dtype=None, checkpoint=False, attention=attention)
+            fused = fuse(model, dtype)
+        with torch.no_grad():
+            self.weights = fused.map(lambda t: t.detach().to(self.device).clone())
+        self._fuse_dtype = ops.dtype if on_cpu else dtype
+        pool_type = KernelPool if self.ops.attention is _paged_attention else KVPool
+        blocks = device_pool_blocks(
+            self.config, ctx_len, block_size, max_batch_size, kv_pool_tokens, kv_pool_max_tokens,
+            self.weights.embed.dtype, self.device,
+        )  # fmt: skip
+        self.core = EngineCore(
+            self.weights, self.ops, ctx_len, blocks, block_size, prefill_chunk, max_batch_size,
+            torch.Generator(), device=self.device, pool_type=pool_type,
+        )  # fmt: skip
+        self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)
+        self.batch_log: list[tuple[int, tuple[tuple[int, int], ...]]] = []
+        self._call = 0
+
+    def stat(self, key: str) -> int:
+        """A core statistic, e.g. kv_bytes_peak, kv_pool_bytes, hit_blocks."""
+        return self.core.stats().get(key, 0)
+
+    def update_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A state dict or (name, tensor) pairs, copied into the engine's weights in place; the KV pool (and its
+        prefix cache) is released, rebuilt at the next call."""
+        state = weights if isinstance(weights, dict) else dict(weights)
+        with torch.no_grad():
+            self._twin.load_state_dict(state, assign=True, strict=False)
+            self.weights.copy_(fuse(self._twin, self._fuse_dtype))
+            self._twin.to_empty(device="meta")  # hold no reference to the trainer's tensors
+        self.core.release()
+
+    def abort(self) -> None:
+        """A single in-process call runs to its end; `stop_when` cuts it between steps."""
+
+    def close(self) -> None:
+        if self.core.idle():
+            self.core.release()
+
+    def generate(
+        self, requests: list[Request], params: SamplingParams | None = None, stop_when=None
+    ) -> list[Result]:
+        """As EmbeddedEngine.generate with one worker: fixed routing returns results in request order, else in
+        completion order; `stop_when(results)` (dynamic routing) cuts running and queued sequences ("abort")."""
+        self.batch_log = []
+        if not requests:
+            return []
+        if self.fixed_routing and stop_when is not None:
+            raise ValueError("stop_when needs dynamic routing; with fixed routing cut by token budget")
+        params = params or self.params
+        check_fits(requests, params, self.ctx_len)
+        self._call += 1
+        stream_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        self.core.generator.manual_seed(stream_seed % 2**63)  # worker 0's stream, as the embedded engine's
+        for g in prompt_groups(list(enumerate(requests)), self.max_batch_size):
+            for i, r in g:
+                self.core.add((self._call, i), r, params)
+        done = self._drain(requests, stop_when)
+        if self.fixed_routing:
+            by_uid = {r.uid: r for r in done}
+            return [by_uid[r.uid] for r in requests]
+        return done
+
+    @torch.no_grad()
+    def _drain(self, requests: list[Request], stop_when) -> list[Result]:
+        done: list[Result] = []
+        while not self.core.idle():
+            cut = stop_when is not None and bool(done) and stop_when(done)
+            finished = self.core.abort() if cut else self.core.step()
+            results = [Result(requests[f.key[1]], f.tokens, f.logprobs, f.finish_reason, f.routed_experts)
+                       for f in finished]  # fmt: skip
+            if results:
+                self.batch_log.append((0, tuple(r.uid for r in results)))
+            done += results
+        return done
+
+
+def _paged_attention(q, k_pool, v_pool, meta, scale):
+    from detrl.models.triton_paged import paged_attention
+
+    return paged_attention(q, k_pool, v_pool, meta, scale)

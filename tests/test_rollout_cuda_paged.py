@@ -1,0 +1,155 @@
+"""CudaPagedEngine: the device engine on the paged scheduler core.
+
+On CPU the same class (device=cpu, gathered keys, the given op set) must give the embedded engine's worker bits
+exactly, dense and MoE; on a GPU (marked gpu) it must give the trainer's logprobs exactly under `on` and be
+invariant to arrival order and the batch cap."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from detrl.config import ModelConfig
+from detrl.determinism import Determinism, preset
+from detrl.models import BATCH_INVARIANT_OPS, DEFAULT_OPS, build_model
+from detrl.rollout import EmbeddedEngine, Request, SamplingParams
+from detrl.rollout.cuda_paged import CudaPagedEngine, device_pool_blocks
+
+EOS = 2
+CTX = 64
+PARAMS = SamplingParams(1.0, 1.0, 24, (EOS,))
+_MODELS: dict = {}
+
+
+def _model(name):
+    if name not in _MODELS:
+        _MODELS[name] = build_model(ModelConfig(name=name), seed=0)
+    return _MODELS[name]
+
+
+def _requests(groups=3, n=4, seeded=True):
+    det = Determinism(preset("on"), seed=0)
+    return [
+        Request(
+            g,
+            j,
+            tuple(3 + (g * 5 + i) % 40 for i in range(4 + 9 * g)),
+            det.sampling_seed(1, g, j) if seeded else None,
+        )
+        for g in range(groups)
+        for j in range(n)
+    ]
+
+
+def _bits(results):
+    return [
+        (
+            r.uid,
+            r.tokens,
+            r.logprobs,
+            r.finish_reason,
+            None if r.routed_experts is None else r.routed_experts.tobytes(),
+        )
+        for r in results
+    ]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("ops", [BATCH_INVARIANT_OPS, DEFAULT_OPS], ids=["on", "off"])
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "stream"])
+def test_on_cpu_it_gives_the_embedded_workers_bits(name, ops, seeded):
+    """Two calls (the stream advances), a weight update between them (the pool released and rebuilt). Under
+    `off` torch's CPU kernels depend on the thread count: this process runs with the worker's one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, reqs = _model(name), _requests(seeded=seeded)
+    kw = dict(max_batch_size=5, block_size=4, prefill_chunk=8, kv_pool_tokens=64 * 4)
+    emb = EmbeddedEngine(model, ops, CTX, PARAMS, seed=3, num_workers=1, **kw)
+    pag = CudaPagedEngine(model, ops, CTX, PARAMS, seed=3, device="cpu", **kw)
+    try:
+        first = emb.generate(reqs)
+        assert _bits(pag.generate(reqs)) == _bits(first)
+        assert pag.stat("hit_blocks") > 0  # the samples of a group shared the prompt's blocks
+        state = {k: v + 0.01 for k, v in model.state_dict().items()}
+        emb.update_weights(state)
+        pag.update_weights(state)
+        assert pag.core.pool is None  # released at the update
+        second = emb.generate(reqs)
+        assert _bits(second) != _bits(first)
+        assert _bits(pag.generate(reqs)) == _bits(second)
+        if name == "qwen3_moe":
+            assert all(
+                r.routed_experts is not None and len(r.routed_experts) == len(r.tokens) for r in second
+            )
+    finally:
+        emb.close()
+        torch.set_num_threads(threads)
+
+
+def test_pool_size_is_the_tokens_else_the_cap():
+    c = _model("qwen3").config
+    assert device_pool_blocks(c, 64, 16, 8, 320, 65536, torch.float32, "cpu") == 20
+    assert device_pool_blocks(c, 64, 16, 8, 0, 65536, torch.float32, "cpu") == 32  # 8 full contexts
+    assert device_pool_blocks(c, 64, 16, 8, 0, 128, torch.float32, "cpu") == 8  # the cap
+    assert device_pool_blocks(c, 64, 16, 8, 0, 16, torch.float32, "cpu") == 4  # at least one context
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GPU_MODELS = {"dense": ModelConfig(init="random", vocab_size=512),
+              "moe": ModelConfig(name="qwen3_moe", num_experts=4, num_experts_per_tok=2, init="random", vocab_size=512)}  # fmt: skip
+GPU_CTX = 96
+
+
+def _gpu_run(model, ops, reqs, **kw):
+    eng = CudaPagedEngine(model, ops, GPU_CTX, PARAMS, seed=1, device="cuda", dtype=torch.bfloat16, **kw)
+    return eng, eng.generate(reqs)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("cfg", list(GPU_MODELS), ids=list(GPU_MODELS))
+def test_gpu_on_logprobs_are_the_trainers_and_invariant_to_the_schedule(cfg):
+    """The Triton op set in bf16, attention through the paged kernel: batch caps (3: many preemption-free
+    schedules), arrival order and block size change no bit, and the trainer's logprobs equal the engine's."""
+    from detrl.models.forward import rope_tables
+    from detrl.models.logprobs import sequence_logprobs
+    from detrl.models.ops import CUDA_INVARIANT_OPS
+
+    model = build_model(GPU_MODELS[cfg], seed=0).cuda()
+    ops = dataclasses.replace(CUDA_INVARIANT_OPS, dtype=torch.bfloat16)
+    reqs = _requests(groups=4, n=4)
+    eng, ref = _gpu_run(model, ops, reqs)
+    assert type(eng.core.pool).__name__ == "KernelPool"  # attention read the pool in place
+    assert _bits(_gpu_run(model, ops, reqs, max_batch_size=3)[1]) == _bits(ref)
+    assert _bits(_gpu_run(model, ops, reqs, block_size=4, prefill_chunk=5)[1]) == _bits(ref)
+    back = {r.uid: r for r in _gpu_run(model, ops, reqs[::-1])[1]}
+    assert _bits([back[r.uid] for r in ref]) == _bits(ref)
+    ids = torch.zeros(len(reqs), GPU_CTX, dtype=torch.long)
+    mask = torch.zeros(len(reqs), GPU_CTX - 1)
+    for i, (q, r) in enumerate(zip(reqs, ref)):
+        seq = list(q.prompt_ids) + r.tokens
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, len(q.prompt_ids) - 1 : len(seq) - 1] = 1
+    rope = rope_tables(model.config, GPU_CTX, "cuda", torch.bfloat16)
+    with torch.no_grad():
+        tok, _ = sequence_logprobs(model, ids.cuda(), mask.cuda(), ops, GPU_CTX, rope, 1.0)
+    trainer = [
+        tok[i, len(q.prompt_ids) - 1 : len(q.prompt_ids) - 1 + len(r.tokens)].tolist()
+        for i, (q, r) in enumerate(zip(reqs, ref))
+    ]
+    assert trainer == [r.logprobs for r in ref]
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_off_runs_sdpa_over_gathered_keys_close_to_the_trainer():
+    from detrl.models.ops import CUDA_DEFAULT_OPS
+
+    model = build_model(GPU_MODELS["dense"], seed=0).cuda()
+    ops = dataclasses.replace(CUDA_DEFAULT_OPS, dtype=torch.bfloat16)
+    reqs = _requests(groups=4, n=4, seeded=False)
+    eng, out = _gpu_run(model, ops, reqs, fixed_routing=False)
+    assert sorted(r.uid for r in out) == sorted(r.uid for r in reqs)
+    assert type(eng.core.pool).__name__ == "KVPool" and eng.stat("hit_blocks") > 0
