@@ -57,10 +57,32 @@ def params_digest(model: torch.nn.Module | dict[str, torch.Tensor]) -> str:
     on_device = [_device_words(p) for _, p in state if p.is_cuda]
     host = iter(torch.stack(on_device).cpu().numpy() if on_device else ())
     return digest(
-        name.encode()
-        + (next(host).tobytes() if p.is_cuda else p.detach().contiguous().view(torch.uint8).numpy().tobytes())
-        for name, p in state
+        name.encode() + (next(host).tobytes() if p.is_cuda else _host_bytes(p)) for name, p in state
     )
+
+
+def _host_bytes(p: torch.Tensor) -> bytes:
+    return p.detach().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+class StreamDigest:
+    """`params_digest` over (name, tensor) pairs that pass one at a time in sorted name order (a sharded model's
+    parameters gathered one by one): the same hex digest as over the whole state dict, no tensor kept."""
+
+    def __init__(self):
+        self._h = xxhash.xxh3_64()
+
+    def pass_through(self, items: Iterable[tuple[str, torch.Tensor]]):
+        """Yield the pairs unchanged, hashing each as it goes by."""
+        for name, p in items:
+            body = _device_words(p).cpu().numpy().tobytes() if p.is_cuda else _host_bytes(p)
+            chunk = name.encode() + body
+            self._h.update(len(chunk).to_bytes(8, "little"))
+            self._h.update(chunk)
+            yield name, p
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
 
 
 def _device_words(t: torch.Tensor, chunk: int = 1 << 27) -> torch.Tensor:

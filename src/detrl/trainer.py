@@ -28,7 +28,7 @@ from detrl.config import ConfigError, TrainConfig
 from detrl.data import build_task, stop_token_ids, tokenizer_for
 from detrl.device import check_compute_dtype, resolve_device, resolve_dtype, to_device
 from detrl.evaluate import Evaluator
-from detrl.fingerprint import drift_step, params_digest, rollout_fingerprints
+from detrl.fingerprint import drift_step, rollout_fingerprints
 from detrl.loss_scale import LossScaler
 from detrl.models import preflight
 from detrl.models.build import build_model, checkpoint_architecture
@@ -256,7 +256,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
         (run_dir / "numerics.json").write_text(json.dumps(numerics, indent=1))
     engine = make_engine(cfg, model, det, ctx_len, sampling, tokenizer, run_dir)
     if world > 1:  # FSDP2 over the trainer's models; this rank's engine serves its share of each generate
-        distributed.shard(model, ref_model)
+        distributed.shard(model, ref_model, compute=det.dtype, ordered=det.ordered_reduce)
         engine = RankEngine(engine, det)
     dp = distributed.DataParallel(model, ordered=det.ordered_reduce)
     scaler = LossScaler(det.dtype, det.device)  # float16: dynamic loss scaling; else a no-op
@@ -279,7 +279,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
     state = checkpoint.RunState(wandb_id=uuid.uuid4().hex[:8], buffer=PartialBuffer())
     if payload is not None:  # exact resume: weights, optimizer, RNGs, data position, buffer, curve
         state = checkpoint.restore(payload, model, opt, ref_model, engine.generator)
-        engine.update_weights(distributed.full_state_dict(model))
+        distributed.sync_weights(model, engine)
         if distributed.is_main():
             checkpoint.truncate_metrics(run_dir, state.step)
             print(f"resuming from {ckpt} (step {state.step})")
@@ -338,12 +338,11 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             )
             adv, kl_coef = step_adv.value, step_adv.next_kl_coef  # computed once the old logprobs were known
             metrics.update(step_adv.metrics)
-            weights = distributed.full_state_dict(model)  # gathered under FSDP2: every rank's engine gets all
-            engine.update_weights(weights)
+            params_fp = distributed.sync_weights(model, engine)  # FSDP2: one parameter gathered at a time
             # --- log
             metrics.update(rollout_metrics(batch, adv))
             metrics.update(batch.stats)
-            metrics["fp/params"] = params_digest(weights)
+            metrics["fp/params"] = params_fp
             with distributed.unsharded(model):  # full parameters on every rank (FSDP2); plain models: no-op
                 if distributed.is_main():  # drift.jsonl: sketches, for distances between runs
                     metrics.update(drift_step(run_dir, step, model, batch.results))
