@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from detrl.fingerprint import StreamDigest, params_digest
+from detrl.fingerprint import StreamDigest, param_sketch, params_digest
 from detrl.fsdp import param_dtype
 from tests.test_distributed import _torchrun
 
@@ -68,7 +68,15 @@ def _worker(out: Path) -> None:
     gathered = {n: p.detach().clone() for n, p in model.named_parameters()}
     plain = not any(isinstance(p, DTensor) for p in model.parameters())
     distributed.reshard(model)
+    drift_same = True  # the drift sketch over parameters gathered one at a time: one process's numbers
+    params = fsdp.full_params(model)
+    if distributed.is_main():
+        got, want_sk = param_sketch(model, tensors=params), param_sketch(want)
+        drift_same = bool((got[0] == want_sk[0]).all()) and got[1] == want_sk[1]
+    for _ in params:
+        pass
     res = {
+        "drift_same": drift_same,
         "blocks_sharded": len(blocks) > 0 and all(isinstance(b, FSDPModule) for b in blocks),
         "groups": len(fsdp.groups(model)),
         "n_blocks": len(blocks),
@@ -90,7 +98,7 @@ def test_two_ranks_shard_per_block_and_sync_one_parameter_at_a_time(tmp_path):
         assert res["blocks_sharded"] and res["groups"] == res["n_blocks"] + 1, res
         assert 0.3 < res["local_frac"] < 0.7, res  # this rank holds about half of the parameters
         assert res["digest_same"] and res["engine_same"], res  # the same bits as one process's state dict
-        assert res["unshard_same"] and res["resharded"], res
+        assert res["unshard_same"] and res["resharded"] and res["drift_same"], res
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:

@@ -220,6 +220,21 @@ def sync_weights(model, engine) -> str:
     return h.hexdigest()
 
 
+def drift(run_dir: Path, step: int, model, results) -> dict[str, float]:
+    """Rank 0 appends the step's drift sketches (`fingerprint.drift_step`) -> its metrics ({} elsewhere). Sharded:
+    every rank gathers the parameters one at a time (collective), rank 0 folds them into the sketch."""
+    from detrl.fingerprint import drift_step
+
+    if not is_sharded(model):
+        return drift_step(run_dir, step, model, results) if is_main() else {}
+    params = fsdp.full_params(model)
+    if not is_main():
+        for _ in params:  # the gathers are collective: drained here
+            pass
+        return {}
+    return drift_step(run_dir, step, model, results, tensors=params)
+
+
 # --- the trainer's data parallelism --------------------------------------------------------------------------
 
 

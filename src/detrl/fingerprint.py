@@ -18,6 +18,7 @@ their groups in other orders, or other groups, compare too.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -247,13 +248,25 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
 
 
 def param_sketch(
-    model: torch.nn.Module, dim: int = SKETCH_DIM, fold: int = FOLD, seed: int = SKETCH_SEED
+    model: torch.nn.Module,
+    dim: int = SKETCH_DIM,
+    fold: int = FOLD,
+    seed: int = SKETCH_SEED,
+    tensors: Iterable[torch.Tensor] | None = None,
 ) -> tuple[np.ndarray, float]:
     """(R x, ||x||) for the flattened parameters x: ||R x_a - R x_b|| ~ ||x_a - x_b|| for any two models of
-    one layout (same names and sizes)."""
-    layout, tensors = _params(model)
+    one layout (same names and sizes). tensors: the parameters in sorted name order, read once (e.g. a sharded
+    model's, gathered one at a time); None: the model's own."""
+    layout, own = _params(model)
+    if tensors is None:
+        tensors = own
+    tensors = iter(tensors)
+    first = next(tensors, None)
+    tensors = itertools.chain([] if first is None else [first], tensors)
     with torch.no_grad():
-        if tensors and tensors[0].is_cuda:  # on the device: no host copy of the model, no n-sized host arrays
+        if (
+            first is not None and first.is_cuda
+        ):  # on the device: no host copy of the model, no n-sized host arrays
             return device_sketch(tensors, _device_gauss(dim, fold, seed), fold, seed)
         return _projection(layout, dim, fold, seed)(tensors)
 
@@ -300,9 +313,16 @@ def mean_logprob_by_uid(results) -> dict[int, float]:
     return {u: math.fsum(v) / len(v) for u, v in sums.items() if v}
 
 
-def drift_step(run_dir: str | Path, step: int, model: torch.nn.Module, results) -> dict[str, float]:
-    """Append this step's sketches to <run_dir>/drift.jsonl; -> {"drift/param_norm": exact L2 norm}."""
-    sketch, norm = param_sketch(model)
+def drift_step(
+    run_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    results,
+    tensors: Iterable[torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """Append this step's sketches to <run_dir>/drift.jsonl; -> {"drift/param_norm": exact L2 norm}. tensors:
+    as `param_sketch`'s."""
+    sketch, norm = param_sketch(model, tensors=tensors)
     record = {
         "step": step,
         "param_norm": norm,

@@ -101,6 +101,15 @@ def full_items(model) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, (v.full_tensor() if isinstance(v, DTensor) else v)
 
 
+def full_params(model) -> Iterator[torch.Tensor]:
+    """The trainable parameters in sorted name order (the drift sketch's), full, gathered one at a time when
+    sharded. Collective: every rank must consume the whole iterator."""
+    from torch.distributed.tensor import DTensor
+
+    for _, p in sorted(model.named_parameters(), key=lambda x: x[0]):
+        yield p.full_tensor() if isinstance(p, DTensor) else p
+
+
 def full_state_dict(model) -> dict[str, torch.Tensor]:
     """The whole state dict (DTensors all-gathered; the same names and bits as unsharded): checkpoints' final
     save only. The per-step sync uses `full_items`."""

@@ -28,7 +28,7 @@ from detrl.config import ConfigError, TrainConfig
 from detrl.data import build_task, stop_token_ids, tokenizer_for
 from detrl.device import check_compute_dtype, resolve_device, resolve_dtype, to_device
 from detrl.evaluate import Evaluator
-from detrl.fingerprint import drift_step, rollout_fingerprints
+from detrl.fingerprint import rollout_fingerprints
 from detrl.loss_scale import LossScaler
 from detrl.models import preflight
 from detrl.models.build import build_model, checkpoint_architecture
@@ -343,9 +343,7 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             metrics.update(rollout_metrics(batch, adv))
             metrics.update(batch.stats)
             metrics["fp/params"] = params_fp
-            with distributed.unsharded(model):  # full parameters on every rank (FSDP2); plain models: no-op
-                if distributed.is_main():  # drift.jsonl: sketches, for distances between runs
-                    metrics.update(drift_step(run_dir, step, model, batch.results))
+            metrics.update(distributed.drift(run_dir, step, model, batch.results))  # rank 0's drift.jsonl
             metrics.update(layer_fingerprints(model, cfg, step))  # the modules' own forward (FSDP2 gathers)
             metrics["timing_s/rollout"] = t_rollout
             metrics["timing_s/step"] = time.perf_counter() - t0
