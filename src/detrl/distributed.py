@@ -33,7 +33,7 @@ from detrl import fsdp
 # What this module does with memory, for the planner (detrl.plan.Layout's fields; the rest as its TODAY): the
 # ordered reduce keeps an fp32 accumulator shard and one parameter's all-to-all buffers, not every micro-batch's
 # full gradient; unshard still gathers the whole fp32 model at once
-PLAN_LAYOUT = {"reduce": "shard"}
+PLAN_LAYOUT = {"reduce": "shard", "sync": "block"}
 
 
 def _from_slurm() -> None:
