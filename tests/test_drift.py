@@ -279,3 +279,22 @@ def test_the_device_params_words_change_with_any_one_word_and_repeat_bit_for_bit
         assert w[1] != base[1] and w[2] != base[2], i
     # chunked sums are the unchunked sums (mod 2**64): chunk boundaries do not change the words
     assert torch.equal(_device_words(t, chunk=7), base)
+
+
+def test_the_host_sketch_keeps_packed_signs_and_matches_the_dense_projection_bitwise():
+    from detrl.fingerprint import FOLD, SKETCH_SEED, _Projection
+
+    sizes = [3000, FOLD * 300 + 7, 12345]  # blocks cross tensor boundaries; a padded last row
+    tensors = [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(sizes)]
+    n, rows = sum(sizes), -(-sum(sizes) // FOLD)
+    g = torch.Generator().manual_seed(SKETCH_SEED)  # the dense matrix the packed signs stand for
+    signs = (torch.randint(0, 2, (rows, FOLD), generator=g) * 2 - 1).to(torch.float64).numpy()
+    gauss = (torch.randn(256, FOLD, generator=g, dtype=torch.float64) / 16.0).numpy()
+    flat = np.zeros(rows * FOLD)
+    flat[:n] = torch.cat(tensors).to(torch.float64).numpy()
+    proj = _Projection(n, 256, FOLD, SKETCH_SEED)
+    sketch, norm = proj(tensors)
+    folded = np.einsum("ij,ij->j", flat.reshape(rows, FOLD), signs)
+    assert np.array_equal(sketch, np.einsum("kj,j->k", gauss, folded))
+    assert norm == pytest.approx(float(np.linalg.norm(flat)), rel=1e-12)
+    assert sum(b.nbytes for b in proj.bits) <= rows * FOLD // 8  # 1 bit a parameter, not 8 bytes

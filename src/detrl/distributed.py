@@ -28,10 +28,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from detrl import fsdp
+
 # What this module does with memory, for the planner (detrl.plan.Layout's fields; the rest as its TODAY): the
 # ordered reduce keeps an fp32 accumulator shard and one parameter's all-to-all buffers, not every micro-batch's
 # full gradient; unshard still gathers the whole fp32 model at once
-PLAN_LAYOUT = {"reduce": "shard"}
+PLAN_LAYOUT = {"reduce": "shard", "sync": "block"}
 
 
 def _from_slurm() -> None:
@@ -163,56 +165,34 @@ def check_supported(cfg) -> None:
         )
 
 
-# --- FSDP2 ------------------------------------------------------------------------------------------------
+# --- FSDP2 (detrl.fsdp: per block, then the root) ---------------------------------------------------------
 
-_MESH = None
-
-
-def _mesh(device: torch.device):
-    global _MESH
-    if _MESH is None or _MESH.device_type != device.type:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _MESH = init_device_mesh(device.type, (world_size(),))
-    return _MESH
+full_items, full_state_dict, is_sharded = fsdp.full_items, fsdp.full_state_dict, fsdp.is_sharded
 
 
-def shard(*models) -> None:
-    """FSDP2 over each model (in place; None skipped). World size 1: nothing (plain modules)."""
+def shard(*models, compute: torch.dtype | None = None, ordered: bool = True) -> None:
+    """FSDP2 over each model, block by block then the root (in place; None skipped). World size 1: nothing.
+    compute: the compute dtype (gathered in it on GPUs under `off`); ordered: the ordered reduce (fp32 gathers)."""
     if world_size() == 1:
         return
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     for m in models:
-        if m is None:
-            continue
-        p = next(m.parameters())
-        fully_shard(
-            m,
-            mesh=_mesh(p.device),
-            mp_policy=MixedPrecisionPolicy(param_dtype=p.dtype, reduce_dtype=torch.float32),
-        )
-
-
-def is_sharded(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
+        if m is not None:
+            fsdp.shard(m, compute, ordered)
 
 
 def unshard(*models) -> None:
-    """FSDP2 modules: the full parameters all-gathered and registered on the modules (plain modules: nothing).
+    """FSDP2 modules: every block's and the root's full parameters all-gathered (plain modules: nothing).
     Collective: every rank calls it the same number of times."""
     for m in models:
-        if m is not None and is_sharded(m):
-            m.unshard()
+        if m is not None:
+            fsdp.unshard(m)
 
 
 def reshard(*models) -> None:
     """FSDP2 modules: back to the shards (the full parameters freed)."""
     for m in models:
-        if m is not None and is_sharded(m):
-            m.reshard()
+        if m is not None:
+            fsdp.reshard(m)
 
 
 @contextlib.contextmanager
@@ -225,14 +205,34 @@ def unsharded(*models):
         reshard(*models)
 
 
-def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """The whole state dict on every rank (DTensors all-gathered; the same names and bits as unsharded)."""
-    sd = model.state_dict()
-    if not is_sharded(model):
-        return sd
-    from torch.distributed.tensor import DTensor
+def sync_weights(model, engine) -> str:
+    """The engine gets the policy's weights and -> `fp/params`, the same digest for any world size. One process:
+    the state dict as it is. Sharded: one parameter gathered at a time, in the digest's (sorted) order, copied into
+    the engine and hashed as it passes, then dropped: never the full model at once."""
+    from detrl.fingerprint import StreamDigest, params_digest
 
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+    if not is_sharded(model):
+        weights = model.state_dict()
+        engine.update_weights(weights)
+        return params_digest(weights)
+    h = StreamDigest()
+    engine.update_weights(h.pass_through(full_items(model)))
+    return h.hexdigest()
+
+
+def drift(run_dir: Path, step: int, model, results) -> dict[str, float]:
+    """Rank 0 appends the step's drift sketches (`fingerprint.drift_step`) -> its metrics ({} elsewhere). Sharded:
+    every rank gathers the parameters one at a time (collective), rank 0 folds them into the sketch."""
+    from detrl.fingerprint import drift_step
+
+    if not is_sharded(model):
+        return drift_step(run_dir, step, model, results) if is_main() else {}
+    params = fsdp.full_params(model)
+    if not is_main():
+        for _ in params:  # the gathers are collective: drained here
+            pass
+        return {}
+    return drift_step(run_dir, step, model, results, tensors=params)
 
 
 # --- the trainer's data parallelism --------------------------------------------------------------------------

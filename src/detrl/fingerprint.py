@@ -18,6 +18,7 @@ their groups in other orders, or other groups, compare too.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -57,10 +58,32 @@ def params_digest(model: torch.nn.Module | dict[str, torch.Tensor]) -> str:
     on_device = [_device_words(p) for _, p in state if p.is_cuda]
     host = iter(torch.stack(on_device).cpu().numpy() if on_device else ())
     return digest(
-        name.encode()
-        + (next(host).tobytes() if p.is_cuda else p.detach().contiguous().view(torch.uint8).numpy().tobytes())
-        for name, p in state
+        name.encode() + (next(host).tobytes() if p.is_cuda else _host_bytes(p)) for name, p in state
     )
+
+
+def _host_bytes(p: torch.Tensor) -> bytes:
+    return p.detach().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+class StreamDigest:
+    """`params_digest` over (name, tensor) pairs that pass one at a time in sorted name order (a sharded model's
+    parameters gathered one by one): the same hex digest as over the whole state dict, no tensor kept."""
+
+    def __init__(self):
+        self._h = xxhash.xxh3_64()
+
+    def pass_through(self, items: Iterable[tuple[str, torch.Tensor]]):
+        """Yield the pairs unchanged, hashing each as it goes by."""
+        for name, p in items:
+            body = _device_words(p).cpu().numpy().tobytes() if p.is_cuda else _host_bytes(p)
+            chunk = name.encode() + body
+            self._h.update(len(chunk).to_bytes(8, "little"))
+            self._h.update(chunk)
+            yield name, p
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
 
 
 def _device_words(t: torch.Tensor, chunk: int = 1 << 27) -> torch.Tensor:
@@ -113,33 +136,55 @@ def rollout_fingerprints(results) -> dict[str, str]:
 class _Projection:
     """R = G S / sqrt(k) for one parameter layout: S the random-sign fold (n -> FOLD), G Gaussian [k, FOLD].
 
+    The signs are drawn once from the seeded generator and kept bit-packed (n / 8 bytes, not the n float64s
+    of a dense matrix: 8 bytes a parameter on rank 0 was the largest host array of a run); each call folds
+    the parameters _ROWS fold-rows at a time through one reused float64 block, so nothing of size n is held.
     Computed with numpy's single-threaded loops (einsum, no BLAS, no OpenMP): the same summation order on
-    every machine and thread count, and no thread hand-offs on a busy CPU (torch's 2-thread ops here took
-    5x longer under load). ~1-2 ms a step on the default model.
+    every machine and thread count, and no thread hand-offs on a busy CPU.
     """
 
     def __init__(self, numel: int, dim: int, fold: int, seed: int):
         g = torch.Generator().manual_seed(seed)
         self.numel, self.fold = numel, fold
-        padded = -(-numel // fold) * fold
-        self.signs = (
-            (torch.randint(0, 2, (padded // fold, fold), generator=g) * 2 - 1).to(torch.float64).numpy()
-        )
+        rows = -(-numel // fold)
+        bits = [  # the same draws as one randint call over [rows, fold], in row blocks
+            np.packbits(torch.randint(0, 2, (min(_ROWS, rows - r), fold), generator=g).numpy().astype(bool))
+            for r in range(0, rows, _ROWS)
+        ]
+        self.bits = bits
         self.gauss = (torch.randn(dim, fold, generator=g, dtype=torch.float64) / math.sqrt(dim)).numpy()
-        self.buf = np.zeros(padded, dtype=np.float64)  # the flattened parameters, zero-padded
+        self.block = np.zeros((_ROWS, fold), dtype=np.float64)  # one block of the flattened parameters
 
-    def __call__(self, tensors: list[torch.Tensor]) -> tuple[np.ndarray, float]:
-        """-> (the sketch [k], the exact L2 norm), one parameter at a time into a reused float64 buffer."""
-        o = 0
+    def _blocks(self, tensors: list[torch.Tensor]):
+        """Yield (block index, rows) of the zero-padded flattened parameters, _ROWS * fold elements a block."""
+        flat, size, o, b = self.block.reshape(-1), self.block.size, 0, 0
         for t in tensors:
             # a float64 copy (numpy() of the parameter itself would pin its storage, which FSDP2 frees and
             # re-allocates); a host copy on GPUs
             a = t.detach().reshape(-1).to(device="cpu", dtype=torch.float64).numpy()
-            self.buf[o : o + a.size] = a  # float32 -> float64 is exact
-            o += a.size
-        folded = np.einsum("ij,ij->j", self.buf.reshape(-1, self.fold), self.signs)
-        norm = math.sqrt(float(np.einsum("i,i->", self.buf, self.buf)))
-        return np.einsum("kj,j->k", self.gauss, folded), norm
+            i = 0
+            while i < a.size:
+                n = min(a.size - i, size - o)
+                flat[o : o + n] = a[i : i + n]  # float32 -> float64 is exact
+                o, i = o + n, i + n
+                if o == size:
+                    yield b, self.block
+                    o, b = 0, b + 1
+        if o:
+            flat[o:] = 0.0
+            yield b, self.block[: -(-o // self.fold)]
+
+    def __call__(self, tensors: list[torch.Tensor]) -> tuple[np.ndarray, float]:
+        """-> (the sketch [k], the exact L2 norm), block by block (sums in a fixed block order)."""
+        folded, square = np.zeros(self.fold, dtype=np.float64), 0.0
+        for b, rows in self._blocks(tensors):
+            signs = np.unpackbits(self.bits[b])[: rows.size].reshape(rows.shape).astype(np.float64) * 2 - 1
+            folded += np.einsum("ij,ij->j", rows, signs)
+            square += float(np.einsum("ij,ij->", rows, rows))
+        return np.einsum("kj,j->k", self.gauss, folded), math.sqrt(square)
+
+
+_ROWS = 256  # fold-rows per host block: 1M float64s (8 MB) at FOLD = 4096
 
 
 _K1, _K2 = -7046029254386353131, -4658895280553007687  # 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9 as int64
@@ -203,13 +248,25 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
 
 
 def param_sketch(
-    model: torch.nn.Module, dim: int = SKETCH_DIM, fold: int = FOLD, seed: int = SKETCH_SEED
+    model: torch.nn.Module,
+    dim: int = SKETCH_DIM,
+    fold: int = FOLD,
+    seed: int = SKETCH_SEED,
+    tensors: Iterable[torch.Tensor] | None = None,
 ) -> tuple[np.ndarray, float]:
     """(R x, ||x||) for the flattened parameters x: ||R x_a - R x_b|| ~ ||x_a - x_b|| for any two models of
-    one layout (same names and sizes)."""
-    layout, tensors = _params(model)
+    one layout (same names and sizes). tensors: the parameters in sorted name order, read once (e.g. a sharded
+    model's, gathered one at a time); None: the model's own."""
+    layout, own = _params(model)
+    if tensors is None:
+        tensors = own
+    tensors = iter(tensors)
+    first = next(tensors, None)
+    tensors = itertools.chain([] if first is None else [first], tensors)
     with torch.no_grad():
-        if tensors and tensors[0].is_cuda:  # on the device: no host copy of the model, no n-sized host arrays
+        if (
+            first is not None and first.is_cuda
+        ):  # on the device: no host copy of the model, no n-sized host arrays
             return device_sketch(tensors, _device_gauss(dim, fold, seed), fold, seed)
         return _projection(layout, dim, fold, seed)(tensors)
 
@@ -256,9 +313,16 @@ def mean_logprob_by_uid(results) -> dict[int, float]:
     return {u: math.fsum(v) / len(v) for u, v in sums.items() if v}
 
 
-def drift_step(run_dir: str | Path, step: int, model: torch.nn.Module, results) -> dict[str, float]:
-    """Append this step's sketches to <run_dir>/drift.jsonl; -> {"drift/param_norm": exact L2 norm}."""
-    sketch, norm = param_sketch(model)
+def drift_step(
+    run_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    results,
+    tensors: Iterable[torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """Append this step's sketches to <run_dir>/drift.jsonl; -> {"drift/param_norm": exact L2 norm}. tensors:
+    as `param_sketch`'s."""
+    sketch, norm = param_sketch(model, tensors=tensors)
     record = {
         "step": step,
         "param_norm": norm,

@@ -31,7 +31,7 @@ from detrl.config import TrainConfig
 from detrl.determinism import Determinism
 from detrl.device import to_device
 from detrl.evaluate import Evaluator
-from detrl.fingerprint import drift_step, params_digest, rollout_fingerprints
+from detrl.fingerprint import rollout_fingerprints
 from detrl.loss_scale import LossScaler
 from detrl.models import preflight
 from detrl.models.forward import rope_tables
@@ -154,8 +154,8 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             metrics = learn(run, step, batch, step_adv)  # old logprobs -> advantages -> mini-batch steps
             adv, run.kl_coef = step_adv.value, step_adv.next_kl_coef  # known once the old logprobs were
             metrics.update(step_adv.metrics)
-            weights = sync_weights(run)
-            metrics.update(step_metrics(run, step, batch, adv, weights))
+            params_fp = sync_weights(run)
+            metrics.update(step_metrics(run, step, batch, adv, params_fp))
             metrics["timing_s/rollout"] = t_rollout
             metrics["timing_s/step"] = time.perf_counter() - t0
             metrics["perf/throughput"] = float(batch.mask.sum()) / metrics["timing_s/step"]
@@ -227,7 +227,9 @@ def start(cfg: TrainConfig, run_dir: Path, group: str) -> Run:
         (run_dir / "numerics.json").write_text(json.dumps(numerics, indent=1))
     engine = make_engine(cfg, model, det, rt, sampling, tokenizer, run_dir)
     if world > 1:  # FSDP2 over the trainer's models; this rank's engine serves its share of each generate
-        distributed.shard(model, ref_model)
+        # fp32 gathers: the update accumulates gradients on the gathered parameters, so bf16 gathers (compute=)
+        # would accumulate them in bf16; not enabled until the reduce runs per micro-batch
+        distributed.shard(model, ref_model, ordered=det.ordered_reduce)
         engine = RankEngine(engine, det)
     dp = distributed.DataParallel(model, ordered=det.ordered_reduce)
     scaler = LossScaler(rt.dtype, rt.device)  # float16: dynamic loss scaling; else a no-op
@@ -244,7 +246,7 @@ def start(cfg: TrainConfig, run_dir: Path, group: str) -> Run:
     )  # fmt: skip
     if payload is not None:  # exact resume: weights, optimizer, RNGs, data position, buffer, curve
         run.state = checkpoint.restore(payload, model, run.opt, ref_model, engine.generator)
-        engine.update_weights(distributed.full_state_dict(model))
+        distributed.sync_weights(model, engine)
         if distributed.is_main():
             checkpoint.truncate_metrics(run_dir, run.state.step)
             print(f"resuming from {ckpt} (step {run.state.step})")
@@ -322,19 +324,15 @@ def learn(run: Run, step: int, batch: StepBatch, step_adv: StepAdvantages) -> di
     )
 
 
-def sync_weights(run: Run) -> dict[str, torch.Tensor]:
-    """The engine takes the updated policy. Gathered under FSDP2: every rank's engine gets all of it."""
-    weights = distributed.full_state_dict(run.model)
-    run.engine.update_weights(weights)
-    return weights
+def sync_weights(run: Run) -> str:
+    """The engine takes the updated policy; -> its `fp/params` digest. FSDP2: one parameter gathered at a time."""
+    return distributed.sync_weights(run.model, run.engine)
 
 
-def step_metrics(run: Run, step: int, batch: StepBatch, adv: torch.Tensor, weights: dict) -> dict:
+def step_metrics(run: Run, step: int, batch: StepBatch, adv: torch.Tensor, params_fp: str) -> dict:
     """The rollout's metrics and fingerprints, the parameters' digest, drift sketches and layer digests."""
-    metrics = {**rollout_metrics(batch, adv), **batch.stats, "fp/params": params_digest(weights)}
-    with distributed.unsharded(run.model):  # full parameters on every rank (FSDP2); plain models: no-op
-        if distributed.is_main():  # drift.jsonl: sketches, for distances between runs
-            metrics.update(drift_step(run.run_dir, step, run.model, batch.results))
+    metrics = {**rollout_metrics(batch, adv), **batch.stats, "fp/params": params_fp}
+    metrics.update(distributed.drift(run.run_dir, step, run.model, batch.results))  # rank 0's drift.jsonl
     metrics.update(layer_fingerprints(run.model, run.cfg, step))  # the modules' own forward (FSDP2 gathers)
     return metrics
 

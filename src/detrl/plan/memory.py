@@ -172,9 +172,9 @@ def resident(s: Shapes, w: Workload, lay: Layout, world: int) -> dict[str, float
         "KV pool": kv_pool(s, w, lay, world),
         # input ids (int64) and ~10 [N, L] fp32 tensors: mask, rollout / old / ref logprobs, entropy, advantages...
         "step batch": w.batch_rows * w.ctx_len * (8 + 10 * 4),
-        # rank 0's drift sketch (fingerprint.param_sketch): on CPU a cached float64 sign matrix and buffer of
-        # P elements each; on CUDA three float64 chunks of 2**24 at a time
-        "drift sketch": 16 * p if w.device == "cpu" else 3 * 2**24 * 8,
+        # rank 0's drift sketch (fingerprint.param_sketch): on CPU the bit-packed signs (P / 8 bytes), one
+        # 256 x 4096 float64 block and the 256 x 4096 float64 Gaussian; on CUDA three float64 chunks of 2**24
+        "drift sketch": p / 8 + 2 * 256 * 4096 * 8 if w.device == "cpu" else 3 * 2**24 * 8,
     }
 
 
