@@ -4,7 +4,7 @@
     PYTHONPATH=/tmp/old/src python benchmarks/memory.py             # another tree (e.g. git archive of main)
 
 A small-width Qwen3 (2 layers, hidden 64) with Qwen3's vocabulary (151,936) scores `--seqs` sequences of a
-16-token prompt + `--response` response tokens; `detrl.trainer.update` runs one GRPO update (reference
+16-token prompt + `--response` response tokens; `detrl.actor.update` runs one GRPO update (reference
 model and KL on, entropy logged) on them. Prints the process's RSS before the update, its peak (VmHWM)
 after, and the difference: what the update's activations cost. Run one configuration per process.
 
@@ -129,13 +129,14 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     import detrl
+    from detrl import actor, distributed
+    from detrl.actor import ActorSpec
     from detrl.collect import StepBatch
     from detrl.config import register_configs, to_typed
     from detrl.determinism import setup
     from detrl.models.build import build_model
     from detrl.models.forward import rope_tables
     from detrl.runtime import ops_for
-    from detrl.trainer import update
 
     conf = Path(detrl.__file__).resolve().parents[2] / "conf"
     prompt, n = 16, args.seqs
@@ -198,7 +199,10 @@ def main() -> None:
         return
     before, _ = rss_mib()
     t0 = time.perf_counter()
-    update(model, ref, opt, batch, adv, cfg, ops_for(det), ctx, rope, version=0)
+    dp = distributed.DataParallel(model, ordered=True)
+    actor.update(
+        model, ref, opt, batch, adv, ActorSpec.from_config(cfg), ops_for(det), ctx, rope, 0, dp, None
+    )
     seconds = time.perf_counter() - t0
     _, peak = rss_mib()
     new_api = "mini" if "ppo_mini_batch_size" in inspect.getsource(type(cfg.algo)) else "old"

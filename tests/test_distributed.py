@@ -83,7 +83,7 @@ def _grads(model_name: str, det: str, mode: str, dp=None) -> list[torch.Tensor]:
     from detrl.config import ModelConfig
     from detrl.models import build_model
     from detrl.models.forward import rope_tables
-    from detrl.trainer import update
+    from tests.actor_helpers import update
     from tests.test_update import OPS, L, _batch, _cfg, _Recorder
 
     class Full(_Recorder):  # records the whole gradient (gathered from the FSDP2 shards)

@@ -157,7 +157,7 @@ def test_partial_continuations_keep_the_ids_aligned_with_the_tokens():
 
 
 def _replay_update(replay: bool):
-    from detrl.trainer import update
+    from tests.actor_helpers import update
 
     cfg = make_cfg(
         "model=qwen3_moe",

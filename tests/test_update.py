@@ -53,7 +53,7 @@ def _cfg(*extra):
 
 
 def _update(model, ref, cfg, det):
-    from detrl.trainer import update
+    from tests.actor_helpers import update
 
     batch, adv = _batch()
     opt = _Recorder(model.parameters())
@@ -153,7 +153,7 @@ def test_old_logprobs_current_gives_the_recompute_passes_bits_under_batch_invari
     """algo.old_logprobs=current skips the old pass and takes each micro-batch's gradient-pass logprobs: at one
     epoch of one mini-batch these are the same weights, so under `on` the gradients and every metric are the
     bits of the separate pass (stale partial tokens included: versions -1 on some rows)."""
-    from detrl.trainer import update
+    from tests.actor_helpers import update
 
     model = build_model(ModelConfig(), seed=0)
     ref = build_model(ModelConfig(), seed=1).requires_grad_(False)
@@ -201,7 +201,7 @@ def test_old_logprobs_current_where_no_token_trains_is_recompute(case):
     response tokens, and under AdamW with weight decay the same parameters (no zero gradients that decay them)."""
     import math
 
-    from detrl.trainer import update
+    from tests.actor_helpers import update
 
     batch, adv = _batch()
     if case == "all_stale_masked":  # every token stale and masked: nothing trains in any micro-batch

@@ -51,27 +51,6 @@ def run_name(cfg: TrainConfig) -> str:
     return f"{cell_name(cfg)}_r{cfg.repeat}"
 
 
-def update(
-    model,
-    ref_model,
-    opt,
-    batch: StepBatch,
-    adv,
-    cfg: TrainConfig,
-    ops,
-    ctx_len,
-    rope,
-    version: int,
-    dp: distributed.DataParallel | None = None,
-    scaler: LossScaler | None = None,
-):
-    """`detrl.actor.update` for callers holding a TrainConfig (tests, benchmarks): the spec built from it, and
-    one process's DataParallel unless one is given. `train` builds its spec once and calls the actor."""
-    dp = dp if dp is not None else distributed.DataParallel(model, ordered=True)
-    spec = ActorSpec.from_config(cfg)
-    return actor.update(model, ref_model, opt, batch, adv, spec, ops, ctx_len, rope, version, dp, scaler)
-
-
 def layer_fingerprints(model, cfg: TrainConfig, step: int) -> dict[str, str]:
     """fp/layers/<i>: digests of each decoder layer's output on a fixed canary batch, every
     `layer_digests_every` steps ("" in between, so every row has the same keys); none when 0."""

@@ -2,7 +2,7 @@
 
 When the rollout engine's logprobs of the sampled tokens (`rollout_logp`, the behaviour policy
 pi_rollout) differ from the trainer's logprobs of the same tokens under the same weights (`old_logp`,
-pi_old: detrl's `old` in `trainer.update`), the policy gradient is off-policy. With `determinism=on`
+pi_old: detrl's `old` in `actor.update`), the policy gradient is off-policy. With `determinism=on`
 the two are bitwise equal and every correction here is an exact no-op (weights == 1, mask unchanged,
 bit for bit). With `off` they differ by ~1e-5 on the default model; on real engines (bf16 vLLM/SGLang
 vs an fp32 trainer) by much more. Shapes: B sequences, T response tokens; `mask` [B, T] is 1.0 on the
