@@ -262,6 +262,9 @@ def test_the_device_sketch_is_exact_in_norm_within_10_percent_in_distance_and_th
     exact = float(torch.linalg.vector_norm(flat_params(model) - flat_params(other)))
     assert np.array_equal(a, a2) and abs(np.linalg.norm(a - b) / exact - 1) < 0.10
     assert norm == pytest.approx(float(torch.linalg.vector_norm(flat_params(model))), rel=1e-12)
+    # as train() feeds it (distributed.drift): the parameters as an iterator, read once, gathered as read
+    c, norm_c = device_sketch((p for p in _params(model)[1]), gauss)
+    assert np.array_equal(a, c) and norm_c == norm
 
 
 def test_the_device_params_words_change_with_any_one_word_and_repeat_bit_for_bit():

@@ -200,17 +200,19 @@ def _hash_signs(index: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def device_sketch(
-    tensors: list[torch.Tensor], gauss: torch.Tensor, fold: int = FOLD, seed: int = SKETCH_SEED
+    tensors: Iterable[torch.Tensor], gauss: torch.Tensor, fold: int = FOLD, seed: int = SKETCH_SEED
 ) -> tuple[np.ndarray, float]:
     """The parameter sketch computed where the parameters are (no host copy of the model: on a 0.6B model the
     host path copied 2.4 GB and folded it in numpy every step): the same Gaussian projection of a random-sign
     fold, with the signs hashed from each element's global index, in float64 chunks aligned to the fold, so
     the result depends on the values alone (the same bits run to run; not equal to the host path's numbers)."""
-    dev = tensors[0].device
+    tensors = iter(tensors)  # read once: a sharded model's parameters are gathered as they are read
+    first = next(tensors)
+    dev = first.device
     folded = torch.zeros(fold, dtype=torch.float64, device=dev)
     square = torch.zeros((), dtype=torch.float64, device=dev)
     o = 0  # global index of the tensor's first element
-    for t in tensors:
+    for t in itertools.chain([first], tensors):
         x = t.detach().reshape(-1)
         start = o - o % fold  # the chunk grid is global: chunks start at multiples of the fold
         for lo in range(start, o + x.numel(), _CHUNK):
