@@ -23,7 +23,7 @@ TINY = [
     "checkpoint.save_final=false",
     "eval.every=3",
     "data.eval_fraction=0.2",
-    "seed=0,1,2",
+    "seed=0,1,2,3",
     "repeat=0,1",
 ]
 LR_B = "lr=1e-5"  # sweep B differs from A (lr=1e-3) only in this (lr must be > 0)
@@ -45,7 +45,7 @@ def sweep(out, *overrides):
 def sweeps(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweeps")
     return {
-        "a": sweep(root / "a", "determinism=on,off"),  # 12 runs: 3 seeds x 2 repeats x on/off
+        "a": sweep(root / "a", "determinism=on,off"),  # 16 runs: 4 seeds x 2 repeats x on/off
         "a2": sweep(root / "a2", "determinism=off"),  # the same config as A's off half, run again
         "b": sweep(root / "b", "determinism=off", LR_B),  # A's off half with another lr
     }
@@ -60,7 +60,7 @@ def test_two_sweeps_differing_in_lr_show_a_difference_with_an_interval(sweeps, c
     line = capsys.readouterr().out.strip()
     assert c.differs and (c.hi < 0 or c.lo > 0) and c.lo <= c.diff <= c.hi
     assert line.startswith("different: A - B = ") and "95% interval" in line and "\n" not in line
-    assert c.seeds == (3, 3) and c.runs == (6, 6)
+    assert c.seeds == (4, 4) and c.runs == (8, 8)
     assert c.repeat_sd[0] > 0  # determinism=off: the repeats of a seed differ, and that is the noise
 
 
@@ -85,7 +85,7 @@ def test_a_wandb_group_reads_as_the_local_sweep(sweeps):
     for r in runs:
         r.group = "g"
     remote = main(["wandb:me/detrl/g", str(sweeps["a2"])], api=FakeApi(runs))
-    assert remote.diff == 0.0 and remote.seeds == (3, 3)
+    assert remote.diff == 0.0 and remote.seeds == (4, 4)
 
 
 def test_bad_input_fails_in_one_line(sweeps, capsys):
