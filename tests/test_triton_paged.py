@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     out = {}
     B, H, HKV, L, D = 2, 4, 2, 70, 64  # 70 keys: two key tiles of 64, the second ragged
     pos = torch.arange(L)
-    causal = (pos[None, :] <= pos[:, None])[None, None]
+    causal = (pos[None, :] <= pos[:, None])[None, None].to(dev)  # the kernel reads the mask on the device
     for dt in dts:
         q = torch.randn(B, H, L, D, generator=g).to(dev, dt)
         k, v = (torch.randn(B, HKV, L, D, generator=g).to(dev, dt) for _ in range(2))
@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
             size = (blocks + 1) * bs
             kp, vp = (torch.randn(HKV * size, D, generator=g).to(dev, dt) for _ in range(2))  # stale slots: noise
             for b in range(B):
-                slots = (perm[b, :, None] * bs + torch.arange(bs)).flatten()[:L]
+                slots = (perm[b, :, None] * bs + torch.arange(bs)).flatten()[:L].to(dev)
                 for hh in range(HKV):
                     kp[hh * size + slots] = k[b, hh]
                     vp[hh * size + slots] = v[b, hh]
