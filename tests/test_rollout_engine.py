@@ -178,13 +178,13 @@ def test_calls_submitted_while_others_run_join_them_and_stream_back_in_completio
 
 @pytest.mark.slow
 def test_a_long_context_runs_with_the_kv_bounded_by_the_pool_cap():
-    """max_new_tokens=2048, 2 prompts x 16 samples on the default shape: a static engine would hold 32 full
+    """max_new_tokens=2048, a prompt x 16 samples on the default shape: a static engine would hold 16 full
     contexts of KV; the automatic pool is capped by kv_pool_max_tokens (here 4 contexts per worker), the run
     completes and the peak KV stays within the cap's bytes."""
     model = build_model(ModelConfig(max_position_embeddings=2112), seed=0)
     det = Determinism(preset("on"), seed=0)
     params = SamplingParams(1.0, 1.0, 2048, (EOS,))
-    reqs = [Request(g, j, (5 + g, 7, 9, 11), det.sampling_seed(1, g, j)) for g in range(2) for j in range(16)]
+    reqs = [Request(g, j, (5 + g, 7, 9, 11), det.sampling_seed(1, g, j)) for g in range(1) for j in range(16)]
     ctx, cap = 2112, 4 * 2112
     eng = EmbeddedEngine(
         model, BATCH_INVARIANT_OPS, ctx, params, seed=0, num_workers=2, kv_pool_max_tokens=cap
@@ -196,7 +196,7 @@ def test_a_long_context_runs_with_the_kv_bounded_by_the_pool_cap():
         assert sorted(r.uid for r in out) == sorted(r.uid for r in reqs)
         assert all(r.finish_reason in ("stop", "length") for r in out)
         assert 0 < eng.stat("kv_bytes_peak") <= eng.stat("kv_pool_bytes") <= cap_bytes
-        assert eng.stat("kv_pool_bytes") < 32 * ctx * cap_bytes // (
+        assert eng.stat("kv_pool_bytes") < 16 * ctx * cap_bytes // (
             eng.num_workers * cap
         )  # < static's caches
     finally:
