@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
+from detrl.models import primitives
 from detrl.models.primitives import rms_norm
 
 ROW_TILE = 16
@@ -100,7 +102,29 @@ def bi_silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
 
 
+def query_chunked(attn: Callable, q, k, v, mask, scale: float, chunk: int) -> torch.Tensor:
+    """attn over the query rows in pieces of `chunk`, each recomputed in the backward (torch's checkpoint): the
+    backward holds one piece's [B, H, chunk, L] scores and probabilities, never [B, H, T, L]. For a row-invariant
+    attn (each query row reduced on its own) the output is the same bits as one call."""
+    outs = []
+    for lo in range(0, q.shape[2], chunk):
+        rows = mask[:, :, lo : lo + chunk] if mask.shape[2] > 1 else mask
+        outs.append(checkpoint(attn, q[:, :, lo : lo + chunk], k, v, rows, scale, use_reentrant=False))
+    return torch.cat(outs, dim=2)
+
+
 def bi_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Batch-invariant attention (`bi_attention_rows`); a training pass longer than ATTN_QUERY_CHUNK query rows runs
+    in recomputed pieces of that many rows (`query_chunked`: the same bits, memory bounded in the backward)."""
+    chunk = primitives.ATTN_QUERY_CHUNK
+    if q.shape[2] > chunk and torch.is_grad_enabled():
+        return query_chunked(bi_attention_rows, q, k, v, mask, scale, chunk)
+    return bi_attention_rows(q, k, v, mask, scale)
+
+
+def bi_attention_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """q (B, H, T, D), k/v (B, Hkv, L, D), mask (B or 1, 1, T, L) True = attend -> (B, H, T, D).

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import torch
 
+# query rows per recomputed piece of a long training pass's attention (the CPU invariant op and the Triton
+# attention's backward): the backward holds [B, H, ATTN_QUERY_CHUNK, L] probabilities, never [B, H, T, L]
+ATTN_QUERY_CHUNK = 1024
+
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Qwen3RMSNorm: statistics in float32, normalised x back in x's dtype, times w."""

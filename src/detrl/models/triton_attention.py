@@ -2,7 +2,8 @@
 a kv head are stacked as rows, keys run in fixed BLOCK_N blocks in order with an online softmax; each row stops
 after the block holding its own position (a later, fully masked block would leave the state bit for bit
 unchanged: alpha = exp(0) = 1, p = 0), so a decode row over the fixed-length cache and the same token's row in a
-causal training pass reduce identically. The backward recomputes in torch."""
+causal training pass reduce identically. The backward recomputes in torch, the query rows in pieces of
+ATTN_QUERY_CHUNK (memory bounded at long contexts)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from detrl.models.primitives import ATTN_QUERY_CHUNK
 from detrl.models.triton_launch import LAUNCH, recompute
 
 ATTN_BLOCK_M, ATTN_BLOCK_N = 64, 64
@@ -141,18 +143,47 @@ def _attention_forward(q, k, v, mask, scale):
     return o
 
 
-def _attention_torch(q, k, v, mask, scale):
+def _attention_torch(q, k, v, mask, scale, start: int = 0):
     """The same attention as transformers' eager path computes it in q's dtype (bf16): the scores and the weighted
     sum as bf16 gemms, the softmax in fp32, the probabilities cast back: the backward's recomputation (cuBLAS and
-    torch's softmax: the same bits run to run, on tensor cores; a float32 recomputation cost ~0.1 s a step)."""
+    torch's softmax: the same bits run to run, on tensor cores; a float32 recomputation cost ~0.1 s a step).
+    T > 1: the rows sit at positions start..start+T-1 (a piece of a causal pass)."""
     rep = q.shape[1] // k.shape[1]
     t = q.shape[2]
     kk, vv = (x.repeat_interleave(rep, 1) for x in (k, v))  # [B, H, L, D]
     scores = (q @ kk.transpose(-1, -2)) * scale  # [B, H, T, L]
-    if t > 1:  # rows at positions 0..T-1
-        mask = torch.arange(k.shape[2], device=q.device)[None, :] <= torch.arange(t, device=q.device)[:, None]
+    if t > 1:
+        rows = torch.arange(start, start + t, device=q.device)[:, None]
+        mask = torch.arange(k.shape[2], device=q.device)[None, :] <= rows
     probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
     return probs @ vv
+
+
+def attention_backward(q, k, v, mask, scale, do, chunk: int = ATTN_QUERY_CHUNK):
+    """(dq, dk, dv) of the attention by recomputation, the query rows in pieces of `chunk` (rows at positions
+    0..T-1): one piece's [B, H, chunk, L] probabilities at a time, never [B, H, T, L]; dk / dv summed over the
+    pieces in order in float32 (the same bits run to run). T <= chunk: one recomputation."""
+    t = q.shape[2]
+    if t <= chunk:
+        return recompute(lambda q_, k_, v_: _attention_torch(q_, k_, v_, mask, scale), do, q, k, v)
+    dq, dk, dv = (
+        torch.empty_like(q),
+        torch.zeros_like(k, dtype=torch.float32),
+        torch.zeros_like(v, dtype=torch.float32),
+    )
+    for lo in range(0, t, chunk):
+        hi = min(lo + chunk, t)
+        dq_, dk_, dv_ = recompute(
+            lambda q_, k_, v_, lo=lo: _attention_torch(q_, k_, v_, mask, scale, start=lo),
+            do[:, :, lo:hi],
+            q[:, :, lo:hi],
+            k,
+            v,
+        )
+        dq[:, :, lo:hi] = dq_
+        dk += dk_
+        dv += dv_
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _Attention(torch.autograd.Function):
@@ -165,7 +196,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, mask = ctx.saved_tensors
-        dq, dk, dv = recompute(lambda q_, k_, v_: _attention_torch(q_, k_, v_, mask, ctx.scale), do, q, k, v)
+        dq, dk, dv = attention_backward(q, k, v, mask, ctx.scale, do)
         return dq, dk, dv, None, None
 
 

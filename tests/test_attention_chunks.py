@@ -1,0 +1,78 @@
+"""Long training passes' attention in recomputed query pieces: the same forward bits, memory bounded in the backward."""
+
+import pytest
+import torch
+
+from detrl.models.ops import bi_attention_rows, query_chunked
+
+
+def _qkv(b=2, h=4, hkv=2, t=80, length=96, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(s, generator=g) for s in ((b, h, t, d), (b, hkv, length, d), (b, hkv, length, d)))
+    mask = torch.arange(length)[None, None, None, :] <= torch.arange(t)[None, None, :, None]  # [1, 1, T, L]
+    return q, k, v, mask.expand(b, 1, t, length)
+
+
+def _largest_saved(fn, *inputs) -> int:
+    """The largest tensor autograd saves for the backward of fn(*inputs), in elements."""
+    sizes = []
+
+    def pack(x):
+        sizes.append(x.numel())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = fn(*inputs)
+    return out, max(sizes)
+
+
+@pytest.mark.parametrize("chunk", [16, 17, 33])
+def test_pieces_give_the_same_forward_bits(chunk):
+    q, k, v, mask = _qkv()
+    with torch.no_grad():
+        whole = bi_attention_rows(q, k, v, mask, 0.25)
+    pieces = query_chunked(bi_attention_rows, q, k, v, mask, 0.25, chunk=chunk)
+    assert torch.equal(pieces, whole)
+
+
+def test_pieces_bound_the_backward_and_give_the_gradients():
+    q, k, v, mask = _qkv()
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    whole, big = _largest_saved(bi_attention_rows, *leaves, mask, 0.25)
+    grads = torch.autograd.grad(whole.square().sum(), leaves)
+    leaves2 = [x.clone().requires_grad_() for x in (q, k, v)]
+    pieces, small = _largest_saved(
+        lambda *a: query_chunked(bi_attention_rows, *a, chunk=16), *leaves2, mask, 0.25
+    )
+    grads2 = torch.autograd.grad(pieces.square().sum(), leaves2)
+    b, h, t, _ = q.shape
+    length = k.shape[2]
+    assert big >= b * h * t * length  # the whole pass saves [B, H, T, L] scores
+    assert small < b * h * t * length // 2  # the pieces save their inputs only (recomputed in the backward)
+    for g1, g2 in zip(grads, grads2):
+        torch.testing.assert_close(g2, g1, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cuda_backward_in_pieces_matches_one_recomputation():
+    triton_attention = pytest.importorskip("detrl.models.triton_attention")
+    q, k, v, mask = _qkv(t=96)
+    do = torch.randn_like(q)
+    one = triton_attention.attention_backward(q, k, v, mask, 0.25, do, chunk=96)
+    pieces = triton_attention.attention_backward(q, k, v, mask, 0.25, do, chunk=32)
+    again = triton_attention.attention_backward(q, k, v, mask, 0.25, do, chunk=32)
+    for a, b, c in zip(one, pieces, again):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert torch.equal(b, c)  # run to run: the same bits
+
+
+def test_the_invariant_op_cuts_long_training_passes(monkeypatch):
+    from detrl.models import ops, primitives
+
+    monkeypatch.setattr(primitives, "ATTN_QUERY_CHUNK", 16)
+    q, k, v, mask = _qkv()
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, saved = _largest_saved(ops.bi_attention, *leaves, mask, 0.25)
+    with torch.no_grad():
+        assert torch.equal(out, ops.bi_attention_rows(q, k, v, mask, 0.25))  # no grad: one call
+    b, h, t, _ = q.shape
+    assert saved < b * h * t * k.shape[2] // 2
