@@ -6,7 +6,7 @@
 - phases: the sampler's prefill + KV-cache decode of a sequence vs the trainer's forward over it: the logprob
   of every decoded token must be equal (trainer == rollout, bitwise).
 - paged: the continuous engine's chunked prefill + decode through a paged KV pool (scrambled block tables) vs
-  the trainer's forward (CPU);
+  the trainer's forward (CPU: the worker's path; CUDA: the paged engine's, the Triton kernel reading the pool);
 - gemm shapes: every distinct gemm weight shape (K, N) of the model (q/k/v, o, gate/up, down, router, lm_head,
   and the MoE block as a whole) over a spread of row counts (`ROWS`: 1..17, odd sizes, the engine's bucket
   sizes and their neighbours, at two offsets): the rows of each call must equal the same rows of one large call.
@@ -155,22 +155,23 @@ def check(
 
 @torch.no_grad()
 def check_paged(weights: Weights, ops: Ops, ctx_len: int, rope, ids, full, prompt_len: int) -> list[str]:
-    """The continuous engine's path (CPU): the prompt prefilled in chunks of 2 through a paged pool whose block
-    tables are interleaved and reversed, then decoded; every decoded logprob must equal the trainer's `full`."""
-    if weights.embed.device.type != "cpu":
-        return []
-    from detrl.rollout.paged import KVPool, paged_forward
+    """The continuous engine's path: the prompt prefilled in chunks of 2 through a paged pool whose block tables
+    are interleaved and reversed, then decoded; every decoded logprob must equal the trainer's `full`. On CPU the
+    worker's op set over gathered keys; on a device the paged engine's own (`cuda_paged.device_ops`: under the
+    invariant set the Triton kernel reads the pool in place through the block tables)."""
+    from detrl.rollout.paged import paged_forward
 
+    dev = weights.embed.device
     b, size = ids.shape[0], 4
     per = -(-ctx_len // size)
-    pool = KVPool(weights.config, b * per, size, weights.embed.dtype, ctx_len)
-    slots = pool.slots([[j * b + i for j in reversed(range(per))] for i in range(b)])
+    ops, pool = _paged_pool(weights, ops, ctx_len, b * per, size)
+    slots = pool.slots([[j * b + i for j in reversed(range(per))] for i in range(b)]).to(dev)
     steps, p, got = min(ctx_len, prompt_len + 6), 0, []
     while p < steps - 1:
         n = min(2, prompt_len - p) if p < prompt_len else 1
-        pos = torch.arange(p, p + n).expand(b, n)
-        valid = torch.ones(b, n, dtype=torch.bool)
-        last = torch.full((b,), n - 1)
+        pos = torch.arange(p, p + n, device=dev).expand(b, n)
+        valid = torch.ones(b, n, dtype=torch.bool, device=dev)
+        last = torch.full((b,), n - 1, device=dev)
         logits, _ = paged_forward(
             weights,
             ids[:, p : p + n],
@@ -192,6 +193,19 @@ def check_paged(weights: Weights, ops: Ops, ctx_len: int, rope, ids, full, promp
         return []
     return [f"paged chunked prefill + decode vs the trainer's forward: logprobs differ (max diff "
             f"{(got - want).abs().max().item():.3g})"]  # fmt: skip
+
+
+def _paged_pool(weights: Weights, ops: Ops, ctx_len: int, blocks: int, size: int):
+    """(ops, pool) as the run's engine on this device builds them (CPU worker: the ops as given, KVPool)."""
+    from detrl.rollout.cuda_paged import device_ops
+    from detrl.rollout.paged import KVPool
+
+    pool_type = KVPool
+    if ops.name.startswith("cuda_"):  # the CUDA op sets (on CPU too: Triton's interpreter, in the tests)
+        ops, pool_type = device_ops(ops)
+    return ops, pool_type(
+        weights.config, blocks, size, weights.embed.dtype, ctx_len, device=weights.embed.device
+    )
 
 
 def require(weights: Weights, ops: Ops, ctx_len: int, rope, **kw) -> None:

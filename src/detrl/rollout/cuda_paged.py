@@ -48,6 +48,17 @@ class KernelPool(KVPool):
         return self.k[layer], self.v[layer]
 
 
+def device_ops(ops: Ops) -> tuple[Ops, type]:
+    """The engine's op set on a device and its pool type (weights pre-cast: no dtype, no recomputation): under
+    the invariant set attention reads the pool in place (`KernelPool`, the Triton paged kernel), otherwise the
+    keys are gathered (`KVPool`) and torch SDPA runs under the mask. The preflight checks this same path."""
+    invariant = ops.name == INVARIANT_OPS
+    attention = _paged_attention if invariant else sdpa_attention
+    return dataclasses.replace(ops, dtype=None, checkpoint=False, attention=attention), (
+        KernelPool if invariant else KVPool
+    )
+
+
 def device_pool_blocks(
     config, ctx_len: int, block_size: int, max_running: int, tokens: int, cap: int, dtype, device
 ) -> int:
@@ -87,14 +98,13 @@ class CudaPagedEngine:
         on_cpu = self.device.type == "cpu"
         if on_cpu:  # the CPU worker's setup: the op set as given, weights fused in its compute dtype
             self.ops, fused = ops, fuse(model, ops.dtype)
+            pool_type = KVPool
         else:  # as CudaEngine: the weights cast once, the op set's attention per determinism
-            attention = _paged_attention if ops.name == INVARIANT_OPS else sdpa_attention
-            self.ops = dataclasses.replace(ops, dtype=None, checkpoint=False, attention=attention)
+            self.ops, pool_type = device_ops(ops)
             fused = fuse(model, dtype)
         with torch.no_grad():
             self.weights = fused.map(lambda t: t.detach().to(self.device).clone())
         self._fuse_dtype = ops.dtype if on_cpu else dtype
-        pool_type = KernelPool if self.ops.attention is _paged_attention else KVPool
         blocks = device_pool_blocks(
             self.config, ctx_len, block_size, max_batch_size, kv_pool_tokens, kv_pool_max_tokens,
             self.weights.embed.dtype, self.device,
