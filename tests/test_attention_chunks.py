@@ -76,3 +76,28 @@ def test_the_invariant_op_cuts_long_training_passes(monkeypatch):
         assert torch.equal(out, ops.bi_attention_rows(q, k, v, mask, 0.25))  # no grad: one call
     b, h, t, _ = q.shape
     assert saved < b * h * t * k.shape[2] // 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_a_long_pass_trains_through_the_pieces():
+    """The Triton attention (determinism=on) at 1,100 bf16 query rows: its backward runs in pieces of 1,024
+    (close to one recomputation, the same bits run to run) and holds no [B, H, T, L] probabilities."""
+    from detrl.models import triton_attention as ta
+
+    q, k, v, mask = (x.cuda() for x in _qkv(b=2, h=8, hkv=2, t=1100, length=1100, d=64))
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    do = torch.randn_like(q)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    pieces = ta.attention_backward(q, k, v, mask, 0.125, do)
+    peak = torch.cuda.max_memory_allocated() - base
+    again = ta.attention_backward(q, k, v, mask, 0.125, do)
+    one = ta.attention_backward(q, k, v, mask, 0.125, do, chunk=1100)
+    for a, b, c in zip(one, pieces, again):
+        torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(b, c)
+    assert peak < 2 * 8 * 1100 * 1100 * 4  # below one fp32 [B, H, T, L]
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ta.attention(*leaves, mask, 0.125).backward(do)  # the autograd path runs it
+    assert all(torch.isfinite(x.grad).all() for x in leaves)
