@@ -25,7 +25,7 @@ from detrl import determinism as det_mod
 from detrl.actor import ActorSpec
 from detrl.algos import lr_ratio, warmup_steps
 from detrl.algos.advantages import StepAdvantages
-from detrl.builder import build, make_engine
+from detrl.builder import build, load_policy, make_engine
 from detrl.collect import GroupSource, StepBatch, collect, collect_partial
 from detrl.config import TrainConfig
 from detrl.determinism import Determinism
@@ -177,14 +177,26 @@ def prepare(cfg: TrainConfig, run_dir: Path) -> tuple[dict, int, int, Path | Non
 
 
 def build_models(cfg: TrainConfig):
-    """Seed and build (rank 0 first: it builds and caches the warm start the others then load), then the frozen
-    reference when a KL term needs it. -> (det, tokenizer, task, runtime, policy, reference or None, sampling)."""
+    """Seed and build (rank 0 first: it builds and caches the warm start the others then load).
+    -> (det, tokenizer, task, runtime, policy, sampling)."""
     with distributed.main_first():
         det, tokenizer, task, rt, model, sampling = build(cfg)
-    use_ref = cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if use_ref else None
     model.train()
-    return det, tokenizer, task, rt, model, ref_model, sampling
+    return det, tokenizer, task, rt, model, sampling
+
+
+def reference(cfg: TrainConfig, tokenizer, task, rt, model, ordered: bool) -> torch.nn.Module | None:
+    """The frozen reference when a KL term needs it (else None). One process: a copy of the policy. Sharded (the
+    policy already is): built again from the same source (the same bits) and sharded in turn, so that no rank
+    holds two full models at once."""
+    if not (cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward):
+        return None
+    if not distributed.is_sharded(model):
+        return copy.deepcopy(model).eval().requires_grad_(False)
+    with torch.random.fork_rng(devices=[]):  # a load draws nothing from the run's stream (as a copy does not)
+        ref = load_policy(cfg, tokenizer, task, rt.ctx_len).to(rt.device).eval().requires_grad_(False)
+    distributed.shard(ref, ordered=ordered)
+    return ref
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -198,7 +210,7 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opti
 def start(cfg: TrainConfig, run_dir: Path, group: str) -> Run:
     """Everything before step 1: the models, the numerics preflight, the engine, the optimizer, a resume."""
     config, world, threads, ckpt, payload = prepare(cfg, run_dir)
-    det, tokenizer, task, rt, model, ref_model, sampling = build_models(cfg)
+    det, tokenizer, task, rt, model, sampling = build_models(cfg)
     rope = rope_tables(model.config, rt.ctx_len, rt.device, rt.dtype)
     # determinism=on: batch invariance proven on this device, dtype and model before step 0 (fail-closed)
     numerics = {**preflight.numerics_contract(det, rt, model, rope), "threads": threads}
@@ -208,8 +220,9 @@ def start(cfg: TrainConfig, run_dir: Path, group: str) -> Run:
     if world > 1:  # FSDP2 over the trainer's models; this rank's engine serves its share of each generate
         # fp32 gathers: the update accumulates gradients on the gathered parameters, so bf16 gathers (compute=)
         # would accumulate them in bf16; not enabled until the reduce runs per micro-batch
-        distributed.shard(model, ref_model, ordered=det.ordered_reduce)
+        distributed.shard(model, ordered=det.ordered_reduce)
         engine = RankEngine(engine, det)
+    ref_model = reference(cfg, tokenizer, task, rt, model, det.ordered_reduce)
     dp = distributed.DataParallel(model, ordered=det.ordered_reduce)
     scaler = LossScaler(rt.dtype, rt.device)  # float16: dynamic loss scaling; else a no-op
     opt = make_optimizer(cfg, model)
