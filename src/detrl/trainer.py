@@ -35,6 +35,7 @@ from detrl.fingerprint import rollout_fingerprints
 from detrl.loss_scale import LossScaler
 from detrl.models import preflight
 from detrl.models.forward import rope_tables
+from detrl.models.hf_save import save_model
 from detrl.rollout.partial import PartialBuffer
 from detrl.rollout.ranks import RankEngine
 from detrl.runtime import Runtime
@@ -354,11 +355,11 @@ def record(run: Run, step: int, metrics: dict, bar) -> None:
 
 
 def save_final(run: Run) -> None:
+    """checkpoint-final/: the policy as a Hugging Face checkpoint (sharded: streamed, one parameter at a time)."""
     if run.cfg.checkpoint.save_final:
-        final, weights = run.run_dir / "checkpoint-final", distributed.full_state_dict(run.model)
+        final = run.run_dir / "checkpoint-final"
+        save_model(final, run.model)
         if distributed.is_main():
-            model_kw = {"state_dict": weights} if run.world > 1 else {}
-            run.model.save_pretrained(final, **model_kw)
             run.tokenizer.save_pretrained(final)
 
 
