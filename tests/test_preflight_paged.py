@@ -3,13 +3,11 @@ place (`cuda_paged.device_ops`), here under Triton's interpreter (TRITON_INTERPR
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.triton_helpers import run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -43,14 +41,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    pytest.importorskip("triton")  # the test environment installs it (SGLang's pin)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])
+    return run_script(SCRIPT)
 
 
 def test_the_cuda_op_sets_check_the_paged_kernels_pool(interpreted):

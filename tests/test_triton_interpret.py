@@ -8,13 +8,11 @@ epilogues, the grouped gemm's tile map, attention's key blocks), not the H200's 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.triton_helpers import run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -86,16 +84,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    pytest.importorskip(
-        "triton"
-    )  # the test environment installs it (SGLang's pin); a CPU-only install need not
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])
+    return run_script(SCRIPT, timeout=300)
 
 
 def test_the_gemm_sums_k_in_fixed_chunks_close_to_float32(interpreted):

@@ -4,14 +4,12 @@ float16, for several block sizes and scattered block tables, decode steps and ch
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from tests.triton_helpers import run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -61,14 +59,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _script(device: str, dtypes: str, interpret: bool) -> dict:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"} if interpret else dict(os.environ)
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, device, dtypes], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])
+    return run_script(SCRIPT, device, dtypes, interpret=interpret)
 
 
 @pytest.fixture(scope="module")
