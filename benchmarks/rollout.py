@@ -35,6 +35,7 @@ from detrl.config import ModelConfig
 from detrl.data import ArithmeticTask, build_tokenizer
 from detrl.determinism import setup
 from detrl.rollout import EmbeddedEngine, Request, SamplingParams
+from detrl.rollout.paged import PoolSpec
 from detrl.runtime import ops_for
 from detrl.warmstart import encode
 
@@ -192,7 +193,7 @@ def variable(args) -> None:
         pool = args.kv_pool_tokens if name == "continuous" else 0
         engines[name] = EmbeddedEngine(model, ops_for(det), ctx, params, seed=0, num_workers=args.workers,
                                        max_batch_size=args.max_batch_size, scheduler=name,
-                                       kv_pool_tokens=pool)  # fmt: skip
+                                       pool=PoolSpec(kv_pool_tokens=pool))  # fmt: skip
         engines[name].generate(reqs[: 2 * n])  # warm-up: the workers start
     seconds: dict[str, list[float]] = {"static": [], "continuous": [], "generate": []}
     tokens: dict[str, int] = {}

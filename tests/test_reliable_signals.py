@@ -12,7 +12,8 @@ import pytest
 from detrl import checkpoint, guards
 from detrl.analysis import FP_ORDER, load_metrics
 from tests.conftest import ROOT, TINY, make_cfg
-from tests.test_resume import ENV, STEPS, _cmd, straight_fps
+from tests.resume_helpers import ENV, STEPS, straight_fps
+from tests.resume_helpers import cmd as _cmd
 
 
 def _wandb_records(path):

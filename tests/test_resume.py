@@ -3,7 +3,6 @@
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -13,45 +12,8 @@ from detrl import checkpoint
 from detrl.analysis import FP_ORDER, load_metrics
 from detrl.config import ConfigError
 from tests.conftest import ROOT, TINY, make_cfg, run_tiny
-
-STEPS = 6
-
-
-def _cmd(run_dir, *extra):
-    tiny = [o for o in TINY if not o.startswith(("steps=", "train_batch_size="))]
-    # a larger batch than TINY's: steps long enough to be killed in the middle of one
-    return [
-        sys.executable,
-        "train.py",
-        *tiny,
-        f"steps={STEPS}",
-        "train_batch_size=16",
-        "checkpoint.every=2",
-        f"run_dir={run_dir}",
-        *extra,
-    ]
-
-
-# each run gets its own W&B service, as separate `python train.py` invocations do: an earlier in-process
-# test's service (WANDB_SERVICE in os.environ) would keep the killed run's id "in use"
-ENV = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-
-
-_STRAIGHT: dict[tuple, list] = {}
-
-
-def straight_fps(tmp_path_factory, *extra: str) -> list[list]:
-    """The uninterrupted run's fingerprints at every step: run in this process once per config and shared by the
-    tests of the same config (the logger changes no fingerprint, so it is left out of the key)."""
-    from detrl.trainer import train
-
-    key = tuple(o for o in extra if not o.startswith("logger="))
-    if key not in _STRAIGHT:
-        run_dir = tmp_path_factory.mktemp("straight")
-        args = [o for o in _cmd(run_dir, *key)[2:] if not o.startswith("run_dir=")]
-        train(make_cfg(*args, "logger=none"), run_dir)
-        _STRAIGHT[key] = [[r[k] for k in FP_ORDER] for r in load_metrics(run_dir)]
-    return _STRAIGHT[key]
+from tests.resume_helpers import ENV, STEPS, straight_fps
+from tests.resume_helpers import cmd as _cmd
 
 
 def _kill_during_step(run_dir, step, *extra):

@@ -12,48 +12,18 @@ import pytest
 import torch
 
 from detrl.config import ModelConfig
-from detrl.determinism import Determinism, preset
 from detrl.models import BATCH_INVARIANT_OPS, DEFAULT_OPS, build_model
-from detrl.rollout import EmbeddedEngine, Request, SamplingParams
-from detrl.rollout.cuda_paged import CudaPagedEngine, device_pool_blocks
+from detrl.rollout import EmbeddedEngine, SamplingParams
+from detrl.rollout.cuda_paged import DEVICE_POOL, CudaPagedEngine
+from detrl.rollout.paged import PoolSpec
+from tests.rollout_helpers import EOS, bits, group_requests, tiny_model
 
-EOS = 2
 CTX = 64
 PARAMS = SamplingParams(1.0, 1.0, 24, (EOS,))
-_MODELS: dict = {}
-
-
-def _model(name):
-    if name not in _MODELS:
-        _MODELS[name] = build_model(ModelConfig(name=name), seed=0)
-    return _MODELS[name]
 
 
 def _requests(groups=3, n=4, seeded=True):
-    det = Determinism(preset("on"), seed=0)
-    return [
-        Request(
-            g,
-            j,
-            tuple(3 + (g * 5 + i) % 40 for i in range(4 + 9 * g)),
-            det.sampling_seed(1, g, j) if seeded else None,
-        )
-        for g in range(groups)
-        for j in range(n)
-    ]
-
-
-def _bits(results):
-    return [
-        (
-            r.uid,
-            r.tokens,
-            r.logprobs,
-            r.finish_reason,
-            None if r.routed_experts is None else r.routed_experts.tobytes(),
-        )
-        for r in results
-    ]
+    return group_requests(groups, n, lambda g: tuple(3 + (g * 5 + i) % 40 for i in range(4 + 9 * g)), seeded)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
@@ -64,21 +34,21 @@ def test_on_cpu_it_gives_the_embedded_workers_bits(name, ops, seeded):
     `off` torch's CPU kernels depend on the thread count: this process runs with the worker's one thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model, reqs = _model(name), _requests(seeded=seeded)
-    kw = dict(max_batch_size=5, block_size=4, prefill_chunk=8, kv_pool_tokens=64 * 4)
+    model, reqs = tiny_model(name), _requests(seeded=seeded)
+    kw = dict(max_batch_size=5, pool=PoolSpec(block_size=4, prefill_chunk=8, kv_pool_tokens=64 * 4))
     emb = EmbeddedEngine(model, ops, CTX, PARAMS, seed=3, num_workers=1, **kw)
     pag = CudaPagedEngine(model, ops, CTX, PARAMS, seed=3, device="cpu", **kw)
     try:
         first = emb.generate(reqs)
-        assert _bits(pag.generate(reqs)) == _bits(first)
+        assert bits(pag.generate(reqs)) == bits(first)
         assert pag.stat("hit_blocks") > 0  # the samples of a group shared the prompt's blocks
         state = {k: v + 0.01 for k, v in model.state_dict().items()}
         emb.update_weights(state)
         pag.update_weights(state)
         assert pag.core.pool is None  # released at the update
         second = emb.generate(reqs)
-        assert _bits(second) != _bits(first)
-        assert _bits(pag.generate(reqs)) == _bits(second)
+        assert bits(second) != bits(first)
+        assert bits(pag.generate(reqs)) == bits(second)
         if name == "qwen3_moe":
             assert all(
                 r.routed_experts is not None and len(r.routed_experts) == len(r.tokens) for r in second
@@ -86,14 +56,6 @@ def test_on_cpu_it_gives_the_embedded_workers_bits(name, ops, seeded):
     finally:
         emb.close()
         torch.set_num_threads(threads)
-
-
-def test_pool_size_is_the_tokens_else_the_cap():
-    c = _model("qwen3").config
-    assert device_pool_blocks(c, 64, 16, 8, 320, 65536, torch.float32, "cpu") == 20
-    assert device_pool_blocks(c, 64, 16, 8, 0, 65536, torch.float32, "cpu") == 32  # 8 full contexts
-    assert device_pool_blocks(c, 64, 16, 8, 0, 128, torch.float32, "cpu") == 8  # the cap
-    assert device_pool_blocks(c, 64, 16, 8, 0, 16, torch.float32, "cpu") == 4  # at least one context
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -122,10 +84,12 @@ def test_gpu_on_logprobs_are_the_trainers_and_invariant_to_the_schedule(cfg):
     reqs = _requests(groups=4, n=4)
     eng, ref = _gpu_run(model, ops, reqs)
     assert type(eng.core.pool).__name__ == "KernelPool"  # attention read the pool in place
-    assert _bits(_gpu_run(model, ops, reqs, max_batch_size=3)[1]) == _bits(ref)
-    assert _bits(_gpu_run(model, ops, reqs, block_size=4, prefill_chunk=5)[1]) == _bits(ref)
+    assert bits(_gpu_run(model, ops, reqs, max_batch_size=3)[1]) == bits(ref)
+    assert bits(
+        _gpu_run(model, ops, reqs, pool=dataclasses.replace(DEVICE_POOL, block_size=4, prefill_chunk=5))[1]
+    ) == bits(ref)
     back = {r.uid: r for r in _gpu_run(model, ops, reqs[::-1])[1]}
-    assert _bits([back[r.uid] for r in ref]) == _bits(ref)
+    assert bits([back[r.uid] for r in ref]) == bits(ref)
     ids = torch.zeros(len(reqs), GPU_CTX, dtype=torch.long)
     mask = torch.zeros(len(reqs), GPU_CTX - 1)
     for i, (q, r) in enumerate(zip(reqs, ref)):

@@ -3,33 +3,27 @@
 import pytest
 import torch
 
-from detrl.config import ModelConfig
+from detrl.config import ModelConfig, RolloutConfig
 from detrl.determinism import Determinism, preset
 from detrl.models import BATCH_INVARIANT_OPS, DEFAULT_OPS, build_model
 from detrl.models.forward import fuse
 from detrl.rollout import EmbeddedEngine, Request, SamplingParams
+from detrl.rollout.cuda_paged import CudaPagedEngine
+from detrl.rollout.paged import KVPool, PoolSpec, kv_token_bytes, pool_blocks
 from detrl.rollout.scheduler import EngineCore
+from tests.rollout_helpers import EOS, group_requests, tiny_model
 
-EOS = 2
 CTX = 48
 PARAMS = SamplingParams(1.0, 1.0, 20, (EOS,))
-_MODELS: dict = {}
 
 
 def _weights(name):
-    if name not in _MODELS:
-        _MODELS[name] = build_model(ModelConfig(name=name), seed=0)
-    return fuse(_MODELS[name], None)
+    return fuse(tiny_model(name), None)
 
 
 def _requests(groups=4, n=3):
     """Prompt groups of different lengths (5..26 tokens), n seeded samples each."""
-    det = Determinism(preset("on"), seed=0)
-    return [
-        Request(g, j, tuple(3 + (g * 7 + i) % 50 for i in range(5 + 7 * g)), det.sampling_seed(1, g, j))
-        for g in range(groups)
-        for j in range(n)
-    ]
+    return group_requests(groups, n, lambda g: tuple(3 + (g * 7 + i) % 50 for i in range(5 + 7 * g)))
 
 
 def _run(
@@ -125,12 +119,12 @@ def test_a_continuation_reuses_its_blocks_and_matches_one_call():
 
 
 def test_the_engine_matches_the_static_baseline_bitwise():
-    model = _MODELS.get("qwen3_moe") or build_model(ModelConfig(name="qwen3_moe"), seed=0)
+    model = tiny_model("qwen3_moe")
     reqs = _requests()
     out = {}
     for scheduler in ("static", "continuous"):
         eng = EmbeddedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=0, num_workers=2, max_batch_size=5,
-                             scheduler=scheduler, block_size=4, prefill_chunk=8)  # fmt: skip
+                             scheduler=scheduler, pool=PoolSpec(block_size=4, prefill_chunk=8))  # fmt: skip
         res = eng.generate(reqs)
         eng.close()
         out[scheduler] = [(r.tokens, r.logprobs, r.finish_reason, r.routed_experts.tobytes()) for r in res]
@@ -161,10 +155,10 @@ def test_the_preflight_proves_the_paged_path_and_catches_a_chunk_dependent_atten
 
 
 def test_calls_submitted_while_others_run_join_them_and_stream_back_in_completion_order():
-    model = _MODELS.get("qwen3") or build_model(ModelConfig(name="qwen3"), seed=0)
+    model = tiny_model("qwen3")
     reqs = _requests()
     eng = EmbeddedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=0, num_workers=2, max_batch_size=8,
-                         fixed_routing=False, block_size=4, prefill_chunk=8)  # fmt: skip
+                         fixed_routing=False, pool=PoolSpec(block_size=4, prefill_chunk=8))  # fmt: skip
     alone = {r.uid: (r.tokens, r.logprobs) for r in eng.generate(reqs)}
     first = eng.submit(reqs[:6])
     stream = eng.results(first)
@@ -187,7 +181,7 @@ def test_a_long_context_runs_with_the_kv_bounded_by_the_pool_cap():
     reqs = [Request(g, j, (5 + g, 7, 9, 11), det.sampling_seed(1, g, j)) for g in range(1) for j in range(16)]
     ctx, cap = 2112, 4 * 2112
     eng = EmbeddedEngine(
-        model, BATCH_INVARIANT_OPS, ctx, params, seed=0, num_workers=2, kv_pool_max_tokens=cap
+        model, BATCH_INVARIANT_OPS, ctx, params, seed=0, num_workers=2, pool=PoolSpec(kv_pool_max_tokens=cap)
     )
     try:
         out = eng.generate(reqs)
@@ -216,3 +210,32 @@ def test_the_schedule_is_a_source_only_with_the_default_kernels():
     ]
     assert any(o != base for o in other)
     assert _run("qwen3", reqs[::-1])[0] == _run("qwen3", reqs)[0]
+
+
+def test_pool_blocks_the_explicit_size_else_the_cap_within_half_the_free_memory():
+    """One rule sizes both paged engines' pools (ctx 64, blocks of 16, 8 running: 8 contexts = 32 blocks)."""
+    tb = kv_token_bytes(tiny_model("qwen3").config, 4)
+    assert KVPool(tiny_model("qwen3").config, 3, 16, torch.float32, 64).block_bytes == 16 * tb
+    assert pool_blocks(None, tb, 64, 16, 8, 320, 65536) == 20  # the explicit size, over the cap too
+    assert pool_blocks(None, tb, 64, 16, 8, 0, 65536) == 32  # 8 full contexts
+    assert pool_blocks(None, tb, 64, 16, 8, 0, 0) == 32  # cap 0: none
+    assert pool_blocks(None, tb, 64, 16, 8, 0, 128) == 8  # the cap
+    assert pool_blocks(None, tb, 64, 16, 8, 0, 16) == 4  # at least one context
+    assert pool_blocks(2 * 160 * tb + 1, tb, 64, 16, 8, 0, 65536) == 10  # half the free memory: 160 tokens
+    assert pool_blocks(2 * 160 * tb, tb, 64, 16, 8, 320, 0) == 10  # bounds an explicit size given free bytes
+    assert pool_blocks(2 * 160 * tb - 1, tb, 64, 16, 8, 0, 65536) == 9  # whole tokens, then whole blocks
+    assert pool_blocks(tb, tb, 64, 16, 8, 0, 65536) == 4  # little memory: still one context
+    assert pool_blocks(None, tb, 63, 16, 8, 0, 20) == 4  # one context rounds up to whole blocks
+
+
+def test_the_engines_size_their_pools_from_the_spec():
+    """A run's config reaches the spec field by field; both engines build their pools with it (on CPU)."""
+    rollout = RolloutConfig(block_size=4, prefill_chunk=5, kv_pool_tokens=96, kv_pool_max_tokens=7)
+    assert PoolSpec.from_config(rollout) == PoolSpec(4, 5, 96, 7)
+    spec, model = PoolSpec(block_size=16, prefill_chunk=8, kv_pool_tokens=320), tiny_model("qwen3")
+    emb = EmbeddedEngine(model, BATCH_INVARIANT_OPS, 64, PARAMS, seed=0, max_batch_size=8, pool=spec)
+    assert (emb.blocks, emb.block_size, emb.prefill_chunk) == (20, 16, 8)
+    pag = CudaPagedEngine(model, BATCH_INVARIANT_OPS, 64, PARAMS, seed=0, max_batch_size=8, device="cpu")
+    assert pag.core.num_blocks == 32  # its own default: 8 contexts within the cap of 65,536 tokens
+    pag = CudaPagedEngine(model, BATCH_INVARIANT_OPS, 64, PARAMS, seed=0, device="cpu", pool=spec)
+    assert (pag.core.num_blocks, pag.core.block_size, pag.core.chunk) == (20, 16, 8)

@@ -8,8 +8,8 @@ kernel); otherwise (determinism off on CUDA) the keys are gathered and the defau
 them (torch SDPA under the mask). On CPU (`device="cpu"`) it runs the given op set over gathered keys, exactly as
 an `EmbeddedEngine` worker does: the bits are the worker's (the CPU test of this code path).
 
-The pool is sized from the device's free memory and the cap (`pool_blocks`), freed at `update_weights` and
-rebuilt at the next call; the weights are updated in place. One replica: fixed and dynamic routing both add
+The pool is sized from the device's free memory and the cap (`paged.pool_blocks`), freed at `update_weights`
+and rebuilt at the next call; the weights are updated in place. One replica: fixed and dynamic routing both add
 every request to the core (results in request order under fixed routing, else in completion order).
 """
 
@@ -24,10 +24,11 @@ from detrl.models.forward import fuse
 from detrl.models.ops import Ops, sdpa_attention
 from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.batching import check_fits, prompt_groups
-from detrl.rollout.paged import KVPool
+from detrl.rollout.paged import KVPool, PoolSpec, kv_token_bytes
 from detrl.rollout.scheduler import EngineCore
 
 INVARIANT_OPS = "cuda_invariant"  # the op set whose attention the paged kernel replaces
+DEVICE_POOL = PoolSpec(block_size=16, prefill_chunk=512, kv_pool_max_tokens=65536)  # when none is given
 
 
 class KernelPool(KVPool):
@@ -59,18 +60,6 @@ def device_ops(ops: Ops) -> tuple[Ops, type]:
     )
 
 
-def device_pool_blocks(
-    config, ctx_len: int, block_size: int, max_running: int, tokens: int, cap: int, dtype, device
-) -> int:
-    """Blocks of a device pool: `tokens`, or when 0 min(max_running full contexts, the cap, half the free memory)."""
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
-    want = tokens or min(max_running * ctx_len, cap or max_running * ctx_len)
-    if not tokens and torch.device(device).type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        want = min(want, free // 2 // per_token)
-    return max(-(-ctx_len // block_size), want // block_size)
-
-
 class CudaPagedEngine:
     """Holds its own copy of the policy weights on `device` (synced in place by `update_weights`)."""
 
@@ -85,10 +74,7 @@ class CudaPagedEngine:
         fixed_routing: bool = True,
         device: torch.device | str = "cuda",
         dtype: torch.dtype = torch.bfloat16,
-        block_size: int = 16,
-        prefill_chunk: int = 512,
-        kv_pool_tokens: int = 0,
-        kv_pool_max_tokens: int = 65536,
+        pool: PoolSpec = DEVICE_POOL,
     ):
         self.device, self.ctx_len, self.params = torch.device(device), ctx_len, params
         self.max_batch_size, self.fixed_routing = max_batch_size, fixed_routing
@@ -105,13 +91,15 @@ class CudaPagedEngine:
         with torch.no_grad():
             self.weights = fused.map(lambda t: t.detach().to(self.device).clone())
         self._fuse_dtype = ops.dtype if on_cpu else dtype
-        blocks = device_pool_blocks(
-            self.config, ctx_len, block_size, max_batch_size, kv_pool_tokens, kv_pool_max_tokens,
-            self.weights.embed.dtype, self.device,
-        )  # fmt: skip
+        # an explicit size is taken as given; an automatic one on CUDA: within half the free memory
+        free = None
+        if not pool.kv_pool_tokens and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        token_bytes = kv_token_bytes(self.config, self.weights.embed.dtype.itemsize)
         self.core = EngineCore(
-            self.weights, self.ops, ctx_len, blocks, block_size, prefill_chunk, max_batch_size,
-            torch.Generator(), device=self.device, pool_type=pool_type,
+            self.weights, self.ops, ctx_len, pool.blocks(free, token_bytes, ctx_len, max_batch_size),
+            pool.block_size, pool.prefill_chunk, max_batch_size, torch.Generator(), device=self.device,
+            pool_type=pool_type,
         )  # fmt: skip
         self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)
         self.batch_log: list[tuple[int, tuple[tuple[int, int], ...]]] = []

@@ -32,23 +32,19 @@ from detrl.models.forward import fuse
 from detrl.models.ops import Ops
 from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.batching import SCHEDULERS, check_fits, fixed_batches, fixed_group_routing, prompt_groups
+from detrl.rollout.paged import PoolSpec, kv_token_bytes
 from detrl.rollout.scheduler import EngineCore
 from detrl.rollout.static import POLL_S, Sampler, serve_static
 
+CPU_POOL = PoolSpec()  # the engine's own pool knobs when none are given (a run passes its config's)
 
-def pool_blocks(
-    config, ctx_len: int, block_size: int, max_running: int, workers: int, tokens: int, cap: int = 0
-) -> int:
-    """Blocks per worker pool: `tokens` or, when 0, what max_running full contexts need, within the cap (0: none)
-    and half the memory free now split over the workers."""
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
-    want = tokens or min(max_running * ctx_len, cap or max_running * ctx_len)
+
+def _free_bytes(workers: int) -> int | None:
+    """Each worker's share of the memory free now (None where the OS does not say)."""
     try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2 // workers
-        want = min(want, free // per_token)
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // workers
     except (ValueError, OSError):
-        pass
-    return max(-(-ctx_len // block_size), want // block_size)
+        return None
 
 
 def _serve_core(worker: int, core: EngineCore, own, outbox, abort, parent: int, deterministic: bool) -> None:
@@ -124,10 +120,7 @@ class EmbeddedEngine:
         fixed_routing: bool = True,
         batch_window_s: float = 0.0005,
         scheduler: str = "continuous",
-        block_size: int = 8,
-        prefill_chunk: int = 64,
-        kv_pool_tokens: int = 0,
-        kv_pool_max_tokens: int = 0,
+        pool: PoolSpec = CPU_POOL,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}: need at least 1")
@@ -137,9 +130,10 @@ class EmbeddedEngine:
         self.ops, self.ctx_len, self.params = ops, ctx_len, params
         self.num_workers, self.max_batch_size, self.fixed_routing = num_workers, max_batch_size, fixed_routing
         self.batch_window_s, self.scheduler = batch_window_s, scheduler
-        self.block_size, self.prefill_chunk = block_size, prefill_chunk
-        self.blocks = pool_blocks(
-            model.config, ctx_len, block_size, max_batch_size, num_workers, kv_pool_tokens, kv_pool_max_tokens
+        self.block_size, self.prefill_chunk = pool.block_size, pool.prefill_chunk
+        # per worker; the bound (half the free memory) holds for an explicit size too; float32's bytes per token
+        self.blocks = pool.blocks(
+            _free_bytes(num_workers), kv_token_bytes(model.config, 4), ctx_len, max_batch_size
         )
         self.deterministic = torch.are_deterministic_algorithms_enabled()  # set by determinism.setup
         # the weights the workers read: shared memory, overwritten in place at each sync

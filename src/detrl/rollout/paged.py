@@ -20,6 +20,53 @@ from detrl.models.forward import Weights, layer_post, layer_pre
 from detrl.models.ops import Ops
 
 
+@dataclass(frozen=True)
+class PoolSpec:
+    """The paged engines' pool knobs, as the run's config gives them (`from_config`); the defaults are the CPU
+    engine's own (a device engine passes its own defaults)."""
+
+    block_size: int = 8  # KV tokens per pool block
+    prefill_chunk: int = 64  # prompt tokens a sequence prefills per step
+    kv_pool_tokens: int = 0  # KV tokens of a pool; 0 = automatic (`pool_blocks`)
+    kv_pool_max_tokens: int = 0  # the cap on an automatic pool; 0 = none
+
+    @classmethod
+    def from_config(cls, rollout) -> PoolSpec:
+        """From a RolloutConfig."""
+        return cls(
+            rollout.block_size, rollout.prefill_chunk, rollout.kv_pool_tokens, rollout.kv_pool_max_tokens
+        )
+
+    def blocks(self, free_bytes: int | None, token_bytes: int, ctx_len: int, max_running: int) -> int:
+        """`pool_blocks` with this spec's block size, explicit size and cap."""
+        return pool_blocks(
+            free_bytes, token_bytes, ctx_len, self.block_size, max_running, self.kv_pool_tokens,
+            self.kv_pool_max_tokens,
+        )  # fmt: skip
+
+
+def kv_token_bytes(config, itemsize: int) -> int:
+    """Bytes of KV one token holds: 2 (K and V) x layers x Hkv x head_dim x itemsize."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+
+
+def pool_blocks(
+    free_bytes: int | None,
+    token_bytes: int,
+    ctx_len: int,
+    block_size: int,
+    max_running: int,
+    tokens: int,
+    cap: int,
+) -> int:
+    """Blocks of one pool: `tokens`, or when 0 what `max_running` full contexts need within the cap (0: none);
+    then within half of `free_bytes` (None: no bound), and never fewer than one full context's blocks."""
+    want = tokens or min(max_running * ctx_len, cap or max_running * ctx_len)
+    if free_bytes is not None:
+        want = min(want, free_bytes // 2 // token_bytes)
+    return max(-(-ctx_len // block_size), want // block_size)
+
+
 @dataclass
 class Block:
     ref: int = 0

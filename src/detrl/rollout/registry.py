@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from detrl.rollout.base import Engine
+from detrl.rollout.paged import PoolSpec
 
 ENGINES: dict[tuple[str, str], Callable[..., Engine]] = {}
 
@@ -18,61 +19,33 @@ def register(backend: str, device: str):
     return add
 
 
+def _shared(det, seed: int, rollout) -> dict:
+    """The keyword arguments every engine takes from the run: its seed, batch cap and routing."""
+    return dict(seed=seed, max_batch_size=rollout.max_batch_size, fixed_routing=det.fixed_routing)
+
+
 @register("embedded", "cpu")
 def _cpu(model, det, rt, sampling, seed: int, rollout) -> Engine:
     from detrl.rollout.embedded import EmbeddedEngine
 
     return EmbeddedEngine(
-        model,
-        rt.ops,
-        rt.ctx_len,
-        sampling,
-        seed=seed,
-        num_workers=rollout.num_workers,
-        max_batch_size=rollout.max_batch_size,
-        fixed_routing=det.fixed_routing,
-        scheduler=rollout.scheduler,
-        block_size=rollout.block_size,
-        prefill_chunk=rollout.prefill_chunk,
-        kv_pool_tokens=rollout.kv_pool_tokens,
-        kv_pool_max_tokens=rollout.kv_pool_max_tokens,
-    )
+        model, rt.ops, rt.ctx_len, sampling, num_workers=rollout.num_workers, scheduler=rollout.scheduler,
+        pool=PoolSpec.from_config(rollout), **_shared(det, seed, rollout),
+    )  # fmt: skip
 
 
 @register("embedded", "cuda")
 def _cuda(model, det, rt, sampling, seed: int, rollout) -> Engine:
+    on_device = dict(_shared(det, seed, rollout), device=rt.device, dtype=rt.dtype)
     if rollout.scheduler == "continuous":  # the paged scheduler core on the device
         from detrl.rollout.cuda_paged import CudaPagedEngine
 
         return CudaPagedEngine(
-            model,
-            rt.ops,
-            rt.ctx_len,
-            sampling,
-            seed=seed,
-            max_batch_size=rollout.max_batch_size,
-            fixed_routing=det.fixed_routing,
-            device=rt.device,
-            dtype=rt.dtype,
-            block_size=rollout.block_size,
-            prefill_chunk=rollout.prefill_chunk,
-            kv_pool_tokens=rollout.kv_pool_tokens,
-            kv_pool_max_tokens=rollout.kv_pool_max_tokens,
+            model, rt.ops, rt.ctx_len, sampling, pool=PoolSpec.from_config(rollout), **on_device
         )
     from detrl.rollout.cuda import CudaEngine  # static: the bucketed engine with CUDA graphs
 
-    return CudaEngine(
-        model,
-        rt.ops,
-        rt.ctx_len,
-        sampling,
-        seed=seed,
-        max_batch_size=rollout.max_batch_size,
-        fixed_routing=det.fixed_routing,
-        device=rt.device,
-        dtype=rt.dtype,
-        compile=rt.compile,
-    )
+    return CudaEngine(model, rt.ops, rt.ctx_len, sampling, compile=rt.compile, **on_device)
 
 
 def build_engine(backend: str, device: str, *args, **kwargs) -> Engine:
