@@ -107,13 +107,13 @@ def test_engine_records_the_routing_the_trainer_reproduces_under_on():
     batch = to_tensors([Scored(results, torch.zeros(8), torch.zeros(8))], CTX, version=0)
     m = batch.mask > 0
     assert bool((batch.routed_experts[~m] == -1).all())
-    rope = rope_tables(eng.model.config, CTX)
+    rope = rope_tables(eng.config, CTX)
     with torch.no_grad():
         logp, _, own = sequence_logprobs(
-            eng.model, batch.input_ids, batch.mask, BATCH_INVARIANT_OPS, CTX, rope, 1.0, routes=True
+            eng.weights, batch.input_ids, batch.mask, BATCH_INVARIANT_OPS, CTX, rope, 1.0, routes=True
         )
         replayed, _ = sequence_logprobs(
-            eng.model,
+            eng.weights,
             batch.input_ids,
             batch.mask,
             BATCH_INVARIANT_OPS,

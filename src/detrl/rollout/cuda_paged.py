@@ -26,6 +26,7 @@ from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.batching import check_fits, prompt_groups
 from detrl.rollout.paged import KVPool, PoolSpec, kv_token_bytes
 from detrl.rollout.scheduler import EngineCore
+from detrl.rollout.weight_views import copy_into
 
 INVARIANT_OPS = "cuda_invariant"  # the op set whose attention the paged kernel replaces
 DEVICE_POOL = PoolSpec(block_size=16, prefill_chunk=512, kv_pool_max_tokens=65536)  # when none is given
@@ -79,8 +80,6 @@ class CudaPagedEngine:
         self.device, self.ctx_len, self.params = torch.device(device), ctx_len, params
         self.max_batch_size, self.fixed_routing = max_batch_size, fixed_routing
         self.config = model.config
-        with torch.device("meta"):  # a weightless twin: a state dict is fused through it
-            self._twin = type(model)(model.config)
         on_cpu = self.device.type == "cpu"
         if on_cpu:  # the CPU worker's setup: the op set as given, weights fused in its compute dtype
             self.ops, fused = ops, fuse(model, ops.dtype)
@@ -90,7 +89,6 @@ class CudaPagedEngine:
             fused = fuse(model, dtype)
         with torch.no_grad():
             self.weights = fused.map(lambda t: t.detach().to(self.device).clone())
-        self._fuse_dtype = ops.dtype if on_cpu else dtype
         # an explicit size is taken as given; an automatic one on CUDA: within half the free memory
         free = None
         if not pool.kv_pool_tokens and self.device.type == "cuda":
@@ -112,11 +110,7 @@ class CudaPagedEngine:
     def update_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """A state dict or (name, tensor) pairs, copied into the engine's weights in place; the KV pool (and its
         prefix cache) is released, rebuilt at the next call."""
-        state = weights if isinstance(weights, dict) else dict(weights)
-        with torch.no_grad():
-            self._twin.load_state_dict(state, assign=True, strict=False)
-            self.weights.copy_(fuse(self._twin, self._fuse_dtype))
-            self._twin.to_empty(device="meta")  # hold no reference to the trainer's tensors
+        copy_into(self.weights, weights.items() if isinstance(weights, dict) else weights)
         self.core.release()
 
     def abort(self) -> None:

@@ -15,7 +15,6 @@ composition follows the timing). The workers read the policy weights from shared
 
 from __future__ import annotations
 
-import copy
 import os
 import queue
 import sys
@@ -35,6 +34,7 @@ from detrl.rollout.batching import SCHEDULERS, check_fits, fixed_batches, fixed_
 from detrl.rollout.paged import PoolSpec, kv_token_bytes
 from detrl.rollout.scheduler import EngineCore
 from detrl.rollout.static import POLL_S, Sampler, serve_static
+from detrl.rollout.weight_views import copy_into
 
 CPU_POOL = PoolSpec()  # the engine's own pool knobs when none are given (a run passes its config's)
 
@@ -126,7 +126,7 @@ class EmbeddedEngine:
             raise ValueError(f"num_workers={num_workers}: need at least 1")
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.config = model.config
         self.ops, self.ctx_len, self.params = ops, ctx_len, params
         self.num_workers, self.max_batch_size, self.fixed_routing = num_workers, max_batch_size, fixed_routing
         self.batch_window_s, self.scheduler = batch_window_s, scheduler
@@ -138,7 +138,8 @@ class EmbeddedEngine:
         self.deterministic = torch.are_deterministic_algorithms_enabled()  # set by determinism.setup
         # the weights the workers read: shared memory, overwritten in place at each sync
         # in the compute dtype (ops.dtype: bf16 copies of float32 masters), as the trainer's forward fuses them
-        self.weights = fuse(self.model, ops.dtype).map(lambda t: t.detach().clone().share_memory_())
+        with torch.no_grad():
+            self.weights = fuse(model, ops.dtype).map(lambda t: t.detach().clone().share_memory_())
         self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)
         self._ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
         self._abort = (
@@ -157,16 +158,10 @@ class EmbeddedEngine:
         self._load = [0] * num_workers  # dynamic routing: requests in flight per worker
 
     def update_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
-        """A state dict, or (name, tensor) pairs (block by block): copied into the shared weights in place.
+        """A state dict, or (name, tensor) pairs (one at a time): each copied into its part of the shared fused
+        weights in place (`weight_views.copy_into`: no second copy of the model).
         The workers' KV pools (and prefix caches) are released, rebuilt at the next call."""
-        if isinstance(weights, dict):
-            self.model.load_state_dict(weights)
-        else:
-            own = self.model.state_dict()
-            with torch.no_grad():
-                for name, t in weights:
-                    own[name].copy_(t)
-        self.weights.copy_(fuse(self.model, self.ops.dtype))
+        copy_into(self.weights, weights.items() if isinstance(weights, dict) else weights)
         if self.scheduler == "continuous":
             for q in self._queues if self._procs else []:
                 q.put(("release",))
