@@ -35,3 +35,30 @@ def test_a_schedule_sweep_attributes_the_divergence_to_routing(tmp_path):
     assert said in " ".join(ablation_findings(t.reset_index()))
     assert "on top of no_kernels, routing breaks bitwise repeats" in ablation_title(t.reset_index())
     assert said in (render(out, tmp_path / "report") / "summary.md").read_text()
+
+
+def _row(ablation, kind, source, reference, reproducible, step=None, stage=None):
+    return dict(setting="all", ablation=ablation, kind=kind, source=source, reference=reference,
+                reproducible=reproducible, first_divergence_step=step, first_divergence_stage=stage,
+                differs_from_all_on=None, reward_spread=0.0, reward_spread_lo=0.0, reward_spread_hi=0.0,
+                param_distance_last=0.0)  # fmt: skip
+
+
+def test_a_leave_two_out_cell_names_its_second_source_only_against_a_reproducible_reference():
+    import pandas as pd
+
+    from detrl.analysis.ablation import kind_of, reference_of
+
+    assert kind_of("no_kernels_and_routing") == ("leave-two-out", "routing")
+    assert reference_of("no_kernels_and_routing") == "no_kernels" and reference_of("no_kernels") == "all_on"
+    pair = _row("no_kernels_and_routing", "leave-two-out", "routing", "no_kernels", False, 2, "tokens")
+    base = _row("no_kernels", "leave-one-out", "kernels", "all_on", True)
+    named = " ".join(ablation_findings(pd.DataFrame([base, pair])))
+    assert "routing makes repeats diverge (step 2, tokens): routing is the source" in named
+    broken = " ".join(ablation_findings(pd.DataFrame([{**base, "reproducible": False, "first_divergence_step": 1,
+                                                       "first_divergence_stage": "params"}, pair])))  # fmt: skip
+    assert "is the source" not in broken and "no_kernels alone already diverges" in broken
+    alone = " ".join(ablation_findings(pd.DataFrame([pair])))
+    assert "is the source" not in alone and "no_kernels has no 2 complete repeats" in alone
+    same = ablation_findings(pd.DataFrame([base, {**pair, "reproducible": True}]))
+    assert "on top of no_kernels, routing keeps repeats bitwise identical" in " ".join(same)
