@@ -5,7 +5,8 @@
     python benchmarks/rollout.py --workload variable --rounds 3 --json out.json   # static / continuous / generate
     python benchmarks/rollout.py --workload long --rounds 1      # 2 prompts x 16 x 2048 tokens, KV bounded by the pool
 
-`--workload variable|long` (see `variable`): the previous (static) engine, the continuous engine and transformers
+`--workload variable|long` (see `variable`): the previous (static) engine, the continuous engine (its KV pool as a
+default run sizes it: automatic, capped at rollout.kv_pool_max_tokens, unless --kv-pool-tokens) and transformers
 `generate` on the same requests in alternating rounds (`--rounds`, medians), JSON keys
 `tokens_per_s.{static,continuous,generate}`, `kv_bytes_peak.{static,continuous}`, `prefix` (prompt blocks taken
 from the cache), `ratio` (side-by-side ratios: what holds on a shared machine).
@@ -48,14 +49,20 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (rollout.n)")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=512, help="variable workload: max_new_tokens")
+    ap.add_argument("--repeats", type=int, default=7)
+    default = OmegaConf.load(CONF / "rollout" / "embedded.yaml")  # the engine as a default run builds it
     ap.add_argument(
         "--kv-pool-tokens",
         type=int,
-        default=8192,
-        help="variable workload: the continuous engine's pool per worker",
+        default=default.kv_pool_tokens,
+        help="variable/long: the continuous engine's pool per worker (rollout.kv_pool_tokens; 0 = automatic)",
     )
-    ap.add_argument("--repeats", type=int, default=7)
-    default = OmegaConf.load(CONF / "rollout" / "embedded.yaml")  # the engine as a default run builds it
+    ap.add_argument(
+        "--kv-pool-max-tokens",
+        type=int,
+        default=default.kv_pool_max_tokens,
+        help="variable/long: the cap on an automatic pool (rollout.kv_pool_max_tokens)",
+    )
     ap.add_argument(
         "--workers", type=int, default=default.num_workers, help="engine workers (rollout.num_workers)"
     )
@@ -190,10 +197,10 @@ def variable(args) -> None:
     reqs = [Request(i, j, p, det.sampling_seed(1, i, j)) for i, p in enumerate(ids) for j in range(n)]
     engines = {}
     for name in ("static", "continuous"):
-        pool = args.kv_pool_tokens if name == "continuous" else 0
+        pool = (args.kv_pool_tokens, args.kv_pool_max_tokens) if name == "continuous" else (0, 0)
         engines[name] = EmbeddedEngine(model, ops_for(det), ctx, params, seed=0, num_workers=args.workers,
                                        max_batch_size=args.max_batch_size, scheduler=name,
-                                       pool=PoolSpec(kv_pool_tokens=pool))  # fmt: skip
+                                       pool=PoolSpec(kv_pool_tokens=pool[0], kv_pool_max_tokens=pool[1]))  # fmt: skip
         engines[name].generate(reqs[: 2 * n])  # warm-up: the workers start
     seconds: dict[str, list[float]] = {"static": [], "continuous": [], "generate": []}
     tokens: dict[str, int] = {}
@@ -210,7 +217,8 @@ def variable(args) -> None:
     out["workload"] = {"name": args.workload, "prompts": prompts, "n": n, "max_new_tokens": new,
                        "prompt_lengths": [min(lens), max(lens)], "stop_token_ids": list(stops),
                        "workers": args.workers, "max_batch_size": args.max_batch_size, "ctx_len": ctx,
-                       "rounds": args.rounds}  # fmt: skip
+                       "rounds": args.rounds, "kv_pool_tokens": args.kv_pool_tokens,
+                       "kv_pool_max_tokens": args.kv_pool_max_tokens}  # fmt: skip
     for eng in engines.values():
         eng.close()
     print(json.dumps(out, indent=1))

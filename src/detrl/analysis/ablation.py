@@ -3,7 +3,9 @@ at which step and stage, and how far it moves the reward curve.
 
 A cell is `ablation=<name>` (x model): `all_on` / `all_off` (the presets), `no_<source>` (on with that source
 alone released: leave-one-out) and `only_<source>` (off with that source alone pinned: leave-one-in); the cut is
-ablated under partial rollout against `all_on_partial` / `all_off_partial`. Per cell:
+ablated under partial rollout against `all_on_partial` / `all_off_partial`. A leave-two-out cell `no_<a>_and_<b>` (on
+with a and b released) is read against `no_<a>`: it names b as a source that breaks repeats only together with a
+(the schedule, `routing`, changes bits only with the default kernels: `no_kernels_and_routing`). Per cell:
 - whether its repeats are bitwise identical, else where they first part (step, stage), from the fingerprints;
 - for a leave-one-out cell, where its first repeat first differs from all-on's (a released source can change
   the bits yet stay reproducible: e.g. the engine's seeded streams instead of per-sample seeds);
@@ -35,7 +37,10 @@ def _no(reproducible) -> bool:
 
 
 def kind_of(ablation: str) -> tuple[str, str | None]:
-    """'no_kernels' -> ('leave-one-out', 'kernels'); 'all_on_partial' -> ('reference', None)."""
+    """'no_kernels' -> ('leave-one-out', 'kernels'); 'no_kernels_and_routing' -> ('leave-two-out', 'routing');
+    'all_on_partial' -> ('reference', None)."""
+    if ablation.startswith("no_") and "_and_" in ablation:
+        return "leave-two-out", ablation.split("_and_", 1)[1]
     for prefix, kind in (("no_", "leave-one-out"), ("only_", "leave-one-in")):
         if ablation.startswith(prefix):
             return kind, ablation[len(prefix) :]
@@ -43,7 +48,10 @@ def kind_of(ablation: str) -> tuple[str, str | None]:
 
 
 def reference_of(ablation: str) -> str:
-    """The all-on cell an ablation cell is read against: the partial-rollout one for the cut."""
+    """The cell an ablation cell is read against: all-on (the partial-rollout one for the cut); for a
+    leave-two-out cell `no_<a>_and_<b>`, `no_<a>` (a alone released)."""
+    if kind_of(ablation)[0] == "leave-two-out":
+        return ablation.split("_and_", 1)[0]
     partial = ablation.endswith("_partial") or ablation in ("no_cut", "only_cut")
     return "all_on_partial" if partial else "all_on"
 
@@ -62,6 +70,7 @@ COLUMNS = [
     "ablation",
     "kind",
     "source",
+    "reference",
     "repeats",
     "reproducible",
     "first_divergence_step",
@@ -106,6 +115,7 @@ def ablation_table(sweep: Sweep) -> pd.DataFrame:
             "ablation": name,
             "kind": kind,
             "source": source,
+            "reference": reference_of(name) if kind != "reference" else None,
             "repeats": v.repeats[cell],
             "reproducible": v.distinct_trajectories[cell] == 1 if v.repeats[cell] >= 2 else None,
             "first_divergence_step": v.first_divergence_step[cell],
@@ -127,7 +137,7 @@ def ablation_table(sweep: Sweep) -> pd.DataFrame:
             both = g.set_index("step")["mean"].align(r, join="inner")
             row["reward_drift"] = float((both[0] - both[1]).abs().mean()) if len(r) else None
         out.append(row)
-    order = {"reference": 0, "leave-one-out": 1, "leave-one-in": 2}
+    order = {"reference": 0, "leave-one-out": 1, "leave-two-out": 2, "leave-one-in": 3}
     df = pd.DataFrame(out, columns=cols)
     df["_k"] = df.kind.map(order)
     return df.sort_values(["setting", "_k", "ablation"]).drop(columns="_k").reset_index(drop=True)
@@ -163,6 +173,32 @@ def _clauses(loo: pd.DataFrame, loi: pd.DataFrame) -> tuple[str | None, str | No
     return released, pinned
 
 
+def _on_top(t: pd.DataFrame) -> list[tuple[str, str]]:
+    """Per leave-two-out cell of one setting with a verdict: (its reference's name and the source it names,
+    the sentence). The second source is named as the cause only where the first alone keeps repeats bitwise
+    identical and both together do not."""
+    base = dict(zip(t.ablation, t.reproducible))
+    out = []
+    for r in _judged(t, "leave-two-out").itertuples():
+        ref = base.get(r.reference)
+        if ref is None:
+            said = f"{r.ablation} names no source: {r.reference} has no 2 complete repeats to read it against"
+        elif not ref:
+            said = f"{r.ablation} names no source: {r.reference} alone already diverges"
+        elif r.reproducible:
+            said = f"released on top of {r.reference}, {r.source} keeps repeats bitwise identical"
+        else:
+            where = f"step {int(r.first_divergence_step)}, {r.first_divergence_stage}"
+            said = (
+                f"released on top of {r.reference} (bitwise repeats), {r.source} makes repeats diverge "
+                f"({where}): {r.source} is the source"
+            )
+            out.append((f"on top of {r.reference}, {r.source} breaks bitwise repeats", said))
+            continue
+        out.append(("", said))
+    return out
+
+
 def _names(t: pd.DataFrame, one: str, many: str) -> str:
     """ "sampling keeps" / "sampling, routing keep": the sources of the cells that ran, with the verb."""
     names = sorted(set(t.source))
@@ -175,6 +211,8 @@ def ablation_title(table: pd.DataFrame) -> str:
     released, pinned = _clauses(_judged(table, "leave-one-out"), _judged(table, "leave-one-in"))
     parts = [f"released alone from on, {released}" if released else None]
     parts.append(f"pinned alone in off, {pinned}" if pinned else None)
+    pairs = {c for _, g in table.groupby("setting") for c, _ in _on_top(g) if c}
+    parts += sorted(pairs)
     said = "; ".join(p for p in parts if p)
     if not said:
         return "Source ablation: no ablated cell has 2 complete repeats yet, so no verdict (reward std across repeats)"
@@ -217,6 +255,7 @@ def ablation_findings(table: pd.DataFrame) -> list[str]:
             parts.append(", ".join(same[~equal].source) + " change the bits but stay reproducible")
         if equal.any():
             parts.append(", ".join(same[equal].source) + " leave them bitwise equal to all-on")
+        parts += [said for _, said in _on_top(t)]
         if len(loi):
             restores = list(loi[_mask(loi, _yes)].source)
             parts.append(

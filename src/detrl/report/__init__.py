@@ -94,10 +94,12 @@ def ablation_markdown(sweep: Sweep) -> list[str]:
         " ".join(ablation_findings(t)),
         "",
         "Cells (conf/ablation/): `no_<source>` = determinism=on with that source alone released; `only_<source>` "
-        "= determinism=off with it alone pinned; the cut is read under partial rollout against "
-        "`all_on_partial` / `all_off_partial`. `reward_spread` = the standard deviation of the reward across "
+        "= determinism=off with it alone pinned; `no_<a>_and_<b>` = on with a and b released, read against "
+        "`no_<a>` (b named as the source where a alone keeps repeats identical and both do not); the cut is "
+        "read under partial rollout against `all_on_partial` / `all_off_partial`. `reward_spread` = the standard deviation of the reward across "
         "repeats at each step, averaged over steps (exactly 0 when the repeats are identical), with its 95% "
-        "bootstrap interval over steps; `reward_drift` = the mean over steps of |cell mean reward - all-on's|; "
+        "bootstrap interval over steps; `reward_drift` = the mean over steps of |cell mean reward - its `reference`'s| "
+        "(all-on's unless named); "
         "`differs_from_all_on` = where a leave-one-out cell's first repeat first differs from all-on's.",
         "",
     ]
