@@ -195,16 +195,6 @@ def reshard(*models) -> None:
             fsdp.reshard(m)
 
 
-@contextlib.contextmanager
-def unsharded(*models):
-    """`unshard` for the block, `reshard` after."""
-    unshard(*models)
-    try:
-        yield
-    finally:
-        reshard(*models)
-
-
 def sync_weights(model, engine) -> str:
     """The engine gets the policy's weights and -> `fp/params`, the same digest for any world size. One process:
     the state dict as it is. Sharded: one parameter gathered at a time, in the digest's (sorted) order, copied into
@@ -275,7 +265,9 @@ class DataParallel:
         self.world, self.rank, self.ordered = world_size(), rank(), ordered
         self.sharded = list(model.parameters())  # FSDP2: the DTensor shards the optimizer holds
         self.loss_scale = self.world if (self.world > 1 and not ordered) else 1  # verl's dp_size
-        self._acc: list[torch.Tensor] | None = None  # ordered: this rank's shards of the mini-batch's grads
+        self._acc: list[torch.Tensor | None] = [None] * len(self.sharded)  # ordered: this rank's grad shards
+        self._index = {id(p): i for i, p in enumerate(self.sharded)}
+        self._flags = [0] * self.world  # the round's senders (open_round)
         self._rows = [_shard_rows(p.shape[0], self.world) for p in self.sharded]
 
     def micro_batches(self, start: int, stop: int, mb: int) -> list[tuple[tuple, slice]]:
@@ -283,13 +275,68 @@ class DataParallel:
         return micro_batches(start, stop, mb, self.world, self.rank, self.ordered or self.world == 1)
 
     def rounds(self, start: int, stop: int, mb: int) -> list[tuple[tuple, slice] | None]:
-        """This rank's (key, rows) of the mini-batch rows [start, stop), one per round; ordered with W > 1:
-        every rank the same number of rounds, None where it holds no micro-batch of a round."""
+        """This rank's (key, rows) of the mini-batch rows [start, stop), one per round; W > 1: every rank the
+        same number of rounds (the passes' gathers are collective), None where it holds no micro-batch of one."""
         mine = self.micro_batches(start, stop, mb)
-        if self.world == 1 or not self.ordered:
+        if self.world == 1:
             return mine
-        n_rounds = -(-len(range(start, stop, mb)) // self.world)
+        if self.ordered:
+            n_rounds = -(-len(range(start, stop, mb)) // self.world)
+        else:
+            n_rounds = max(
+                len(micro_batches(start, stop, mb, self.world, r, False)) for r in range(self.world)
+            )
         return mine + [None] * (n_rounds - len(mine))
+
+    def open_round(self, trains: bool, scores: bool = False) -> tuple[int, bool]:
+        """Before a round's forward, on every rank (collective): whether this rank's micro-batch trains a token
+        (a sender: its backward sends its gradient) and whether it needs a pass without training (scores) ->
+        (senders, whether any rank scores). No sender: every rank skips the backward of the round."""
+        if self.world == 1:
+            return int(trains), scores
+        flags = torch.zeros(2, self.world, dtype=torch.int32)
+        flags[0, self.rank], flags[1, self.rank] = int(trains), int(scores)
+        dist.all_reduce(flags)
+        self._flags = [int(f) for f in flags[0]]
+        return sum(self._flags), bool(flags[1].any())
+
+    def reducing(self, model):
+        """For the mini-batch: backwards through the sharded model's gathers reduce here (`reduce_group`)."""
+        return fsdp.reducing(model, self)
+
+    def reduce_group(self, params: list, grads: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """A gathered group's full gradients, in its backward (collective, every rank the same groups in the same
+        order) -> each local shard's gradient. ordered: each parameter's shard j sent to rank j and added to its
+        fp32 accumulator in sender (= micro-batch) order, None returned (autograd accumulates nothing); off: the
+        reduce-scattered shard / W (autograd accumulates it across micro-batches into the DTensor's grad)."""
+        out = []
+        for p, g in zip(params, grads):
+            i = self._index[id(p)]
+            g = g.float().reshape(-1)
+            if self.ordered:
+                self._send(i, g)
+                out.append(None)
+            else:
+                out.append(self._reduce_scatter(i, g).view(-1, *p.shape[1:]).to(p.dtype))
+        return out
+
+    def _send(self, i: int, g: torch.Tensor) -> None:
+        """Ordered: shard j of parameter i's full gradient g (this round's) to rank j, from senders only; the
+        received parts added to this rank's accumulator in rank order (the first one cloned)."""
+        flags, mine = self._flags, self._numel(i, self.rank)
+        trained, senders = flags[self.rank], sum(flags)
+        recv = torch.empty(mine * senders, device=g.device)
+        dist.all_to_all_single(
+            recv,
+            g if trained else g[:0],  # dim-0 shards are contiguous: rank j's is the j-th run of elements
+            output_split_sizes=[mine * f for f in flags],
+            input_split_sizes=[self._numel(i, j) * trained for j in range(self.world)],
+        )
+        for part in recv.view(senders, mine):  # senders in rank order = micro-batch order
+            if self._acc[i] is None:
+                self._acc[i] = part.clone()
+            else:
+                self._acc[i] += part
 
     def gather_rows(self, tensors: list[torch.Tensor | None], mine: list[slice]) -> list[torch.Tensor | None]:
         """Rows each rank computed (its `mine` slices), assembled on every rank (a copy: the same bits)."""
@@ -316,54 +363,24 @@ class DataParallel:
             return [r for _, r in records]
         return [r for _, r in sorted(x for rs in all_gather_object(records) for x in rs)]
 
-    def after_backward(self, model, trained: bool) -> None:
-        """Ordered, once per round on every rank (collective): each rank's gradient of the round sent shard by
-        shard to its owner (one all-to-all per parameter), added there in micro-batch order; the next backward
-        starts from none."""
-        if self.world == 1 or not self.ordered:
-            return
-        params = list(model.parameters())  # the unsharded ones (between `unshard` and `reshard`)
-        flags = torch.zeros(self.world, dtype=torch.int32)
-        flags[self.rank] = int(trained)
-        dist.all_reduce(flags)  # which ranks have a gradient this round
-        senders = int(flags.sum())
-        if not senders:
-            return
-        first, self._acc = self._acc is None, self._acc or [None] * len(params)
-        for i, p in enumerate(params):
-            mine = self._numel(i, self.rank)
-            g = (p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1)
-            recv = torch.empty(mine * senders, device=g.device)
-            dist.all_to_all_single(
-                recv,
-                g if trained else g[:0],  # dim-0 shards are contiguous: rank j's is the j-th run of elements
-                output_split_sizes=[mine * int(f) for f in flags],
-                input_split_sizes=[self._numel(i, j) * trained for j in range(self.world)],
-            )
-            for k, part in enumerate(recv.view(senders, mine)):  # senders in rank order = micro-batch order
-                if first and k == 0:
-                    self._acc[i] = part.clone()
-                else:
-                    self._acc[i] += part
-            p.grad = None
-
     def reduce(self, model, max_norm: float) -> float:
-        """After the mini-batch's backwards, the model still unsharded: the sharded gradients, clipped -> norm."""
+        """After the mini-batch's backwards: this rank's gradient shards (the ordered accumulator, or off the
+        reduce-scattered grads autograd accumulated), clipped by the whole gradient's norm -> the norm."""
         if self.world == 1:
             return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-        live = list(model.parameters())
         if self.ordered:
-            flat, self._acc = self._acc, None
-            if flat is None:  # no token in the mini-batch: no gradient (as one process: grads stay None)
+            flat, self._acc = self._acc, [None] * len(self.sharded)
+            if flat[0] is None:  # no token in the mini-batch: no gradient (as one process: grads stay None)
                 for p in self.sharded:
                     p.grad = None
                 return 0.0
         else:
-            flat = [self._reduce_scatter(i, p) for i, p in enumerate(live)]
-        for p in live:
-            p.grad = None
-        local = [g.view(-1, *p.shape[1:]) for g, p in zip(flat, live)]
-        total = self._norm(local, live)
+            flat = [
+                torch.zeros(self._numel(i, self.rank)) if p.grad is None else p.grad.to_local()
+                for i, p in enumerate(self.sharded)
+            ]
+        local = [g.reshape(-1, *p.shape[1:]) for g, p in zip(flat, self.sharded)]
+        total = self._norm(local)
         torch._foreach_mul_(local, torch.clamp(max_norm / (total + 1e-6), max=1.0))  # clip_grad_norm_'s own
         from torch.distributed.tensor import DTensor
 
@@ -373,15 +390,15 @@ class DataParallel:
             )
         return float(total)
 
-    def _reduce_scatter(self, i: int, p: torch.Tensor) -> torch.Tensor:
-        """off: this rank's shard of parameter i's gradient summed over ranks, / W (padded to equal shards)."""
+    def _reduce_scatter(self, i: int, g: torch.Tensor) -> torch.Tensor:
+        """off: this rank's shard of parameter i's (flat) gradient summed over ranks, / W (padded to equal
+        shards)."""
         pad = self._numel(i, 0)
-        g = (p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1)
         out = torch.empty(pad, device=g.device)
         dist.reduce_scatter_tensor(out, torch.nn.functional.pad(g, (0, pad * self.world - g.numel())))
         return out[: self._numel(i, self.rank)] / self.world
 
-    def _norm(self, local: list[torch.Tensor], live: list[torch.Tensor]) -> torch.Tensor:
+    def _norm(self, local: list[torch.Tensor]) -> torch.Tensor:
         """The gradient's 2-norm as one process's clip_grad_norm_ takes it: each parameter's norm over its whole
         gradient (ordered: gathered one parameter at a time), then the norm of those norms. off: from the
         shards' sums of squares."""
@@ -390,11 +407,11 @@ class DataParallel:
             dist.all_reduce(sq)
             return sq.sqrt()
         norms = []
-        for i, (g, p) in enumerate(zip(local, live)):
+        for i, (g, p) in enumerate(zip(local, self.sharded)):
             pad = self._numel(i, 0)
             parts = [torch.empty(pad, device=g.device) for _ in range(self.world)]
             dist.all_gather(parts, torch.nn.functional.pad(g.reshape(-1), (0, pad - g.numel())))
-            full = torch.cat([t[: self._numel(i, r)] for r, t in enumerate(parts)]).view_as(p).to(p.dtype)
+            full = torch.cat([t[: self._numel(i, r)] for r, t in enumerate(parts)]).view(p.shape).to(p.dtype)
             norms.extend(torch._foreach_norm([full], 2.0))  # clip_grad_norm_'s per-tensor norm
             del full, parts
         return torch.linalg.vector_norm(torch.stack(norms), 2.0)
