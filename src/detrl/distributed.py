@@ -8,11 +8,12 @@ single-process code (same bits as before this module existed). With WORLD_SIZE >
 
 - process group from torchrun's env (`env://`): `gloo` on a CPU-only machine, `cpu:gloo,cuda:nccl` when CUDA
   is there (CPU tensors, e.g. gathered rollouts, go over gloo; CUDA tensors over nccl);
-- the policy and the reference model are FSDP2 modules (`fully_shard`, one parameter group each, mixed
-  precision = the parameters' dtype with fp32 reduction). detrl's functional forward reads the weights with
-  `fuse(model)`, not through the module forward that FSDP2 hooks, so `unsharded(...)` all-gathers them
-  explicitly around each pass and reshards after; gradients land on the unsharded parameters and
-  `DataParallel.reduce` turns them into the sharded gradients the optimizer steps (AdamW on the shards);
+- the policy and the reference model are FSDP2 modules (`fully_shard` per block, then the root; fp32
+  reduction). detrl's functional forward reads the weights with `fuse(model)`, not through the module forward
+  that FSDP2 hooks: on a sharded model it gathers the root group once per pass and each block inside its
+  (checkpointed) layer, forward and again in the backward (`fsdp.Gather`); each block's backward hands its full
+  gradient to `DataParallel.reduce_group`, which sends the shards to their owners, and `DataParallel.reduce`
+  clips the sharded gradients the optimizer steps (AdamW on the shards);
 - every rank holds the whole step batch (the gathered rollouts), so loss denominators are global by
   construction (verl's global batch info), and every rank computes the same advantages and metrics;
 - only rank 0 logs (`detrl.tracking`) and writes run files; checkpoints use torch.distributed.checkpoint.
@@ -31,9 +32,9 @@ import torch.distributed as dist
 from detrl import fsdp
 
 # What this module does with memory, for the planner (detrl.plan.Layout's fields; the rest as its TODAY): the
-# ordered reduce keeps an fp32 accumulator shard and one parameter's all-to-all buffers, not every micro-batch's
-# full gradient; unshard still gathers the whole fp32 model at once
-PLAN_LAYOUT = {"reduce": "shard", "sync": "block"}
+# functional forward gathers one block at a time in fp32 (and the root group), forward and backward; the ordered
+# reduce keeps an fp32 accumulator shard and one block's gradient with its all-to-all buffers
+PLAN_LAYOUT = {"gather": "block", "reduce": "shard", "sync": "block"}
 
 
 def _from_slurm() -> None:
@@ -247,18 +248,20 @@ class DataParallel:
 
     world 1: every micro-batch here, autograd accumulates them, `clip_grad_norm_`: the single-process path.
     ordered (determinism=on, world W > 1): the mini-batch is cut into one process's micro-batches
-      (`micro_batch_size` sequences, whatever W is), run in rounds of W: micro-batch k on rank k mod W. After
-      each round an all-to-all sends shard j (FSDP2's dim-0 shard of every parameter) of each rank's gradient to
-      rank j, which adds them to its fp32 accumulator in k order: g_0 + g_1 + ... is one process's
-      accumulation, in the same order, so the gradient shards, the norm (each parameter's norm taken over its
-      whole gradient, gathered one parameter at a time, as one process takes it) and the AdamW step are the same
-      bits for any W. Memory beyond the micro-batch's own gradient: the accumulator and one round's receive
-      buffer (params / W each); traffic: about a reduce-scatter's per round, plus one all-gather for the norm.
-      Gradients are summed, not averaged, so the loss carries no dp_size.
+      (`micro_batch_size` sequences, whatever W is), run in rounds of W: micro-batch k on rank k mod W. In each
+      block's backward (`reduce_group`) an all-to-all sends shard j (FSDP2's dim-0 shard of every parameter) of
+      each sender's gradient to rank j, which adds them to its fp32 accumulator in k order: g_0 + g_1 + ... is
+      one process's accumulation, in the same order, so the gradient shards, the norm (each parameter's norm
+      taken over its whole gradient, gathered one parameter at a time, as one process takes it) and the AdamW
+      step are the same bits for any W. A rank with no micro-batch in a round, or none that trains a token,
+      runs a backward of zeros on one row and sends nothing (`open_round`: the senders known before the
+      forward; a round without any is skipped). Memory beyond one block's gradient: the accumulator (params / W)
+      and one parameter's receive buffer; traffic: about a reduce-scatter's per round, plus one all-gather for
+      the norm. Gradients are summed, not averaged, so the loss carries no dp_size.
     averaged (off, W > 1): verl / FSDP data parallelism: rank r trains a contiguous 1/W of each mini-batch in its
       own micro-batches, the loss is scaled by dp_size = W with the mini-batch's global denominators
-      (verl's agg_loss global batch info), gradients are reduce-scattered (summed, in whatever order the
-      backend sums) and divided by W.
+      (verl's agg_loss global batch info), each block's gradient is reduce-scattered in its backward (summed,
+      in whatever order the backend sums), divided by W and accumulated on the shards by autograd.
     """
 
     def __init__(self, model, ordered: bool):

@@ -56,8 +56,8 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def shard(model: torch.nn.Module, compute: torch.dtype | None = None, ordered: bool = True) -> None:
     """`fully_shard` on each block, then the root (in place): torchtitan's parallelize order. detrl's functional
-    forward runs no module hooks: `unshard` / `reshard` around it are explicit; the modules' own forward (layer
-    digests) gathers and frees one block at a time through FSDP2's hooks."""
+    forward runs no module hooks: it gathers each group itself (`Gather`, in the shards' fp32); the modules' own
+    forward (layer digests) gathers and frees one block at a time through FSDP2's hooks (in `param_dtype`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     p = next(model.parameters())
@@ -87,7 +87,8 @@ def groups(model) -> list:
 
 
 def unshard(model) -> None:
-    """Every group's full parameters all-gathered (each group one all-gather). Collective."""
+    """Every group's full parameters all-gathered (each group one all-gather; inspection only: the trainer's
+    passes gather one block at a time through `Gather`). Collective."""
     for g in groups(model):
         g.unshard()
 
