@@ -117,6 +117,11 @@ class ShardedLayer:
         return LayerWeights(**{f.name: _cast(getattr(lw, f.name), self.dtype) for f in fields(LayerWeights)})
 
 
+def _sharded(w: Weights) -> bool:
+    """A sharded model's blocks keep no gathered weights across the forward: under autograd, always recomputed."""
+    return any(isinstance(lw, ShardedLayer) for lw in w.layers)
+
+
 def fuse(model, dtype: torch.dtype | None = None) -> Weights:
     """The model's weights as the forward consumes them (differentiable: gradients flow to the model).
 
@@ -301,8 +306,7 @@ def forward(
     h = w.embed[tokens]  # [B, T, H]
 
     def layer(h, lw, i):
-        if isinstance(lw, ShardedLayer):  # gathered here: again when the checkpoint recomputes the block
-            lw = lw.load()
+        lw = lw.load() if isinstance(lw, ShardedLayer) else lw  # gathered here, again in the recompute
         q, k, v = pre(h, lw.input_norm, lw.qkv, lw.qk_norm, *rot, ops, c.num_attention_heads, hd, eps)
         keys, values = _keys_values(k, v, slot, i, cache, ctx_len)
         forced = None if experts is None else experts[:, :, i].reshape(b * t, -1)  # [B T, k]
@@ -325,8 +329,7 @@ def forward(
             forced,
         )
 
-    sharded = any(isinstance(lw, ShardedLayer) for lw in w.layers)  # its blocks' weights are not kept
-    recompute = (ops.checkpoint or sharded) and cache is None and torch.is_grad_enabled()
+    recompute = (ops.checkpoint or _sharded(w)) and cache is None and torch.is_grad_enabled()
     chosen = []  # per layer [B T, k] (MoE)
     for i, lw in enumerate(w.layers):
         h, ids = checkpoint(layer, h, lw, i, use_reentrant=False) if recompute else layer(h, lw, i)
