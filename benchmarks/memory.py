@@ -11,8 +11,11 @@ after, and the difference: what the update's activations cost. Run one configura
     PYTHONPATH=src python benchmarks/memory.py --ranks 1,2 --json rss.json      # whole runs, side by side
 
 `--ranks`: one short `train.py` run per world size (a plain process for 1, torchrun for more) of a ~50M-parameter
-Qwen3 (`RANKS_MODEL`, random init, Qwen3's vocabulary); each rank reports its peak RSS (VmHWM, the trainer process
-alone: the engine's forked workers not counted); `--json` writes them with each world size's ratio to 1 rank.
+Qwen3 (`RANKS_MODEL`, random init: 16 blocks of 3.15M, hidden 512, and the arithmetic task's 64-token vocabulary,
+so that the blocks hold nearly every parameter, as in the recipes' models; `EMBEDDING_MODEL` is the former
+embedding-dominated one: a 151,936 x 320 tied embedding, 48.6M of ~50M, which no per-block scheme shrinks below
+the root group: `--model embedding`); each rank reports its peak RSS (VmHWM, the trainer process alone: the
+engine's forked workers not counted); `--json` writes them with each world size's ratio to 1 rank.
 """
 
 from __future__ import annotations
@@ -37,12 +40,15 @@ def rss_mib() -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
-RANKS_MODEL = [  # ~50M parameters: 151,936 x 320 tied embedding (48.6M) + 4 layers
+RANKS_MODEL = [  # ~50M parameters, nearly all in the blocks (the recipes' shape): 16 x 3.15M + a 64 x 512 embedding
     "model.init=random",
-    "model.vocab_size=151936",
-    "model.hidden_size=320",
-    "model.intermediate_size=640",
-    "model.num_hidden_layers=4",
+    "model.vocab_size=64",
+    "model.hidden_size=512",
+    "model.intermediate_size=1536",
+    "model.num_hidden_layers=16",
+    "model.num_attention_heads=8",
+    "model.num_key_value_heads=4",
+    "model.head_dim=64",
     "steps=2",
     "train_batch_size=4",
     "rollout.n=4",
@@ -53,6 +59,17 @@ RANKS_MODEL = [  # ~50M parameters: 151,936 x 320 tied embedding (48.6M) + 4 lay
     "checkpoint.save_final=false",
     "device=cpu",
 ]
+
+
+EMBEDDING_MODEL = [  # ~50M parameters: 151,936 x 320 tied embedding (48.6M) + 4 layers
+    "model.init=random",
+    "model.vocab_size=151936",
+    "model.hidden_size=320",
+    "model.intermediate_size=640",
+    "model.num_hidden_layers=4",
+    *RANKS_MODEL[8:],
+]
+MODELS = {"blocks": RANKS_MODEL, "embedding": EMBEDDING_MODEL}
 
 
 def rank_worker(out: Path, overrides: list[str]) -> None:
@@ -107,6 +124,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ranks", default="", help="e.g. 1,2: whole runs on these world sizes, peak RSS per rank")
     p.add_argument("--json", default=None, help="write the --ranks results here")
+    p.add_argument("--model", default="blocks", choices=sorted(MODELS), help="--ranks: which ~50M model")
     p.add_argument("overrides", nargs="*", help="train.py overrides after RANKS_MODEL's (--ranks)")
     p.add_argument("--vocab", type=int, default=151_936)
     p.add_argument("--response", type=int, default=1024)
@@ -122,7 +140,7 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.ranks:
-        side_by_side([int(w) for w in args.ranks.split(",")], RANKS_MODEL + args.overrides, args.json)
+        side_by_side([int(w) for w in args.ranks.split(",")], MODELS[args.model] + args.overrides, args.json)
         return
     torch.set_num_threads(1)
 

@@ -101,5 +101,74 @@ def test_two_ranks_shard_per_block_and_sync_one_parameter_at_a_time(tmp_path):
         assert res["unshard_same"] and res["resharded"] and res["drift_same"], res
 
 
+# micro_batch_size=3 over test_update's 8 sequences: micro-batches of 3, 3, 2; on 2 ranks rank 1 holds none in
+# the last round. `current`: the gradient pass's logprobs are the old ones
+UPDATE_CASES = [("qwen3", "recompute"), ("qwen3", "current"), ("qwen3_moe", "recompute")]
+
+
+def _update(model_name: str, old: str, sharded: bool):
+    """update() on test_update's batch -> (the whole gradient, the model, the update's metrics)."""
+    from detrl import distributed
+    from detrl.config import ModelConfig
+    from detrl.models import build_model
+    from detrl.models.forward import rope_tables
+    from tests.actor_helpers import update
+    from tests.test_update import OPS, L, _batch, _cfg, _Recorder
+
+    class Full(_Recorder):
+        def step(self):
+            self.grads.append([getattr(p.grad, "full_tensor", p.grad.clone)() for p in self.params])
+
+    model = build_model(ModelConfig(name=model_name), seed=0)
+    ref = build_model(ModelConfig(name=model_name), seed=1).requires_grad_(False)
+    dp = None
+    if sharded:
+        distributed.shard(model, ref)
+        dp = distributed.DataParallel(model, ordered=True)
+    cfg = _cfg("micro_batch_size=3", f"algo.old_logprobs={old}", "algo.kl_loss_coef=0.1")
+    batch, adv = _batch()
+    opt = Full(model.parameters())
+    m = update(model, ref, opt, batch, adv, cfg, OPS["on"], L, rope_tables(model.config, L), version=0, dp=dp)
+    return opt.grads[0], model, m
+
+
+def _update_worker(out: Path) -> None:
+    """Under torchrun: each case's gradient and metrics, and the most elements the gathers held at once."""
+    from detrl import distributed, fsdp
+
+    distributed.init()
+    torch.use_deterministic_algorithms(True)
+    res = {}
+    for case in UPDATE_CASES:
+        grads, model, m = _update(*case, sharded=True)
+        blocks = [sum(p.numel() for p in b.parameters()) for b in fsdp.blocks(model)]
+        root = sum(p.numel() for p in fsdp.root_params(model))
+        res[case] = dict(grads=grads, metrics=m, peak=fsdp.gathers(model).peak, root=root, block=max(blocks))
+    if distributed.is_main():
+        torch.save(res, out / "update.pt")
+    distributed.close()
+
+
+def test_two_ranks_gather_one_block_at_a_time_and_give_one_processs_bits(tmp_path):
+    """2 ranks, 3 micro-batches (rank 1 holds none in the last round; dense, MoE, `current`): the gradient and
+    every metric are one process's bits, and the forward, its checkpointed recompute and the backward never hold
+    more than the root group and one block's full parameters at once."""
+    _torchrun(__file__, "update", str(tmp_path))
+    got = torch.load(tmp_path / "update.pt")
+    torch.use_deterministic_algorithms(True)
+    try:
+        for case in UPDATE_CASES:
+            r = got[case]
+            assert r["block"] <= r["peak"] <= r["root"] + r["block"], (case, r["peak"], r["root"], r["block"])
+            grads, _, m = _update(*case, sharded=False)
+            assert any(g.abs().sum() > 0 for g in grads)
+            assert len(grads) == len(r["grads"]) and all(map(torch.equal, r["grads"], grads)), case
+            assert r["metrics"] == m, case
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     _worker(Path(sys.argv[2]))
+if __name__ == "__main__" and sys.argv[1:2] == ["update"]:
+    _update_worker(Path(sys.argv[2]))

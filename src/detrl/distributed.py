@@ -8,11 +8,12 @@ single-process code (same bits as before this module existed). With WORLD_SIZE >
 
 - process group from torchrun's env (`env://`): `gloo` on a CPU-only machine, `cpu:gloo,cuda:nccl` when CUDA
   is there (CPU tensors, e.g. gathered rollouts, go over gloo; CUDA tensors over nccl);
-- the policy and the reference model are FSDP2 modules (`fully_shard`, one parameter group each, mixed
-  precision = the parameters' dtype with fp32 reduction). detrl's functional forward reads the weights with
-  `fuse(model)`, not through the module forward that FSDP2 hooks, so `unsharded(...)` all-gathers them
-  explicitly around each pass and reshards after; gradients land on the unsharded parameters and
-  `DataParallel.reduce` turns them into the sharded gradients the optimizer steps (AdamW on the shards);
+- the policy and the reference model are FSDP2 modules (`fully_shard` per block, then the root; fp32
+  reduction). detrl's functional forward reads the weights with `fuse(model)`, not through the module forward
+  that FSDP2 hooks: on a sharded model it gathers the root group once per pass and each block inside its
+  (checkpointed) layer, forward and again in the backward (`fsdp.Gather`); each block's backward hands its full
+  gradient to `DataParallel.reduce_group`, which sends the shards to their owners, and `DataParallel.reduce`
+  clips the sharded gradients the optimizer steps (AdamW on the shards);
 - every rank holds the whole step batch (the gathered rollouts), so loss denominators are global by
   construction (verl's global batch info), and every rank computes the same advantages and metrics;
 - only rank 0 logs (`detrl.tracking`) and writes run files; checkpoints use torch.distributed.checkpoint.
@@ -31,9 +32,9 @@ import torch.distributed as dist
 from detrl import fsdp
 
 # What this module does with memory, for the planner (detrl.plan.Layout's fields; the rest as its TODAY): the
-# ordered reduce keeps an fp32 accumulator shard and one parameter's all-to-all buffers, not every micro-batch's
-# full gradient; unshard still gathers the whole fp32 model at once
-PLAN_LAYOUT = {"reduce": "shard", "sync": "block"}
+# functional forward gathers one block at a time in fp32 (and the root group), forward and backward; the ordered
+# reduce keeps an fp32 accumulator shard and one block's gradient with its all-to-all buffers
+PLAN_LAYOUT = {"gather": "block", "reduce": "shard", "sync": "block"}
 
 
 def _from_slurm() -> None:
@@ -167,7 +168,7 @@ def check_supported(cfg) -> None:
 
 # --- FSDP2 (detrl.fsdp: per block, then the root) ---------------------------------------------------------
 
-full_items, full_state_dict, is_sharded = fsdp.full_items, fsdp.full_state_dict, fsdp.is_sharded
+full_items, is_sharded = fsdp.full_items, fsdp.is_sharded
 
 
 def shard(*models, compute: torch.dtype | None = None, ordered: bool = True) -> None:
@@ -193,16 +194,6 @@ def reshard(*models) -> None:
     for m in models:
         if m is not None:
             fsdp.reshard(m)
-
-
-@contextlib.contextmanager
-def unsharded(*models):
-    """`unshard` for the block, `reshard` after."""
-    unshard(*models)
-    try:
-        yield
-    finally:
-        reshard(*models)
 
 
 def sync_weights(model, engine) -> str:
@@ -257,25 +248,29 @@ class DataParallel:
 
     world 1: every micro-batch here, autograd accumulates them, `clip_grad_norm_`: the single-process path.
     ordered (determinism=on, world W > 1): the mini-batch is cut into one process's micro-batches
-      (`micro_batch_size` sequences, whatever W is), run in rounds of W: micro-batch k on rank k mod W. After
-      each round an all-to-all sends shard j (FSDP2's dim-0 shard of every parameter) of each rank's gradient to
-      rank j, which adds them to its fp32 accumulator in k order: g_0 + g_1 + ... is one process's
-      accumulation, in the same order, so the gradient shards, the norm (each parameter's norm taken over its
-      whole gradient, gathered one parameter at a time, as one process takes it) and the AdamW step are the same
-      bits for any W. Memory beyond the micro-batch's own gradient: the accumulator and one round's receive
-      buffer (params / W each); traffic: about a reduce-scatter's per round, plus one all-gather for the norm.
-      Gradients are summed, not averaged, so the loss carries no dp_size.
+      (`micro_batch_size` sequences, whatever W is), run in rounds of W: micro-batch k on rank k mod W. In each
+      block's backward (`reduce_group`) an all-to-all sends shard j (FSDP2's dim-0 shard of every parameter) of
+      each sender's gradient to rank j, which adds them to its fp32 accumulator in k order: g_0 + g_1 + ... is
+      one process's accumulation, in the same order, so the gradient shards, the norm (each parameter's norm
+      taken over its whole gradient, gathered one parameter at a time, as one process takes it) and the AdamW
+      step are the same bits for any W. A rank with no micro-batch in a round, or none that trains a token,
+      runs a backward of zeros on one row and sends nothing (`open_round`: the senders known before the
+      forward; a round without any is skipped). Memory beyond one block's gradient: the accumulator (params / W)
+      and one parameter's receive buffer; traffic: about a reduce-scatter's per round, plus one all-gather for
+      the norm. Gradients are summed, not averaged, so the loss carries no dp_size.
     averaged (off, W > 1): verl / FSDP data parallelism: rank r trains a contiguous 1/W of each mini-batch in its
       own micro-batches, the loss is scaled by dp_size = W with the mini-batch's global denominators
-      (verl's agg_loss global batch info), gradients are reduce-scattered (summed, in whatever order the
-      backend sums) and divided by W.
+      (verl's agg_loss global batch info), each block's gradient is reduce-scattered in its backward (summed,
+      in whatever order the backend sums), divided by W and accumulated on the shards by autograd.
     """
 
     def __init__(self, model, ordered: bool):
         self.world, self.rank, self.ordered = world_size(), rank(), ordered
         self.sharded = list(model.parameters())  # FSDP2: the DTensor shards the optimizer holds
         self.loss_scale = self.world if (self.world > 1 and not ordered) else 1  # verl's dp_size
-        self._acc: list[torch.Tensor] | None = None  # ordered: this rank's shards of the mini-batch's grads
+        self._acc: list[torch.Tensor | None] = [None] * len(self.sharded)  # ordered: this rank's grad shards
+        self._index = {id(p): i for i, p in enumerate(self.sharded)}
+        self._flags = [0] * self.world  # the round's senders (open_round)
         self._rows = [_shard_rows(p.shape[0], self.world) for p in self.sharded]
 
     def micro_batches(self, start: int, stop: int, mb: int) -> list[tuple[tuple, slice]]:
@@ -283,13 +278,68 @@ class DataParallel:
         return micro_batches(start, stop, mb, self.world, self.rank, self.ordered or self.world == 1)
 
     def rounds(self, start: int, stop: int, mb: int) -> list[tuple[tuple, slice] | None]:
-        """This rank's (key, rows) of the mini-batch rows [start, stop), one per round; ordered with W > 1:
-        every rank the same number of rounds, None where it holds no micro-batch of a round."""
+        """This rank's (key, rows) of the mini-batch rows [start, stop), one per round; W > 1: every rank the
+        same number of rounds (the passes' gathers are collective), None where it holds no micro-batch of one."""
         mine = self.micro_batches(start, stop, mb)
-        if self.world == 1 or not self.ordered:
+        if self.world == 1:
             return mine
-        n_rounds = -(-len(range(start, stop, mb)) // self.world)
+        if self.ordered:
+            n_rounds = -(-len(range(start, stop, mb)) // self.world)
+        else:
+            n_rounds = max(
+                len(micro_batches(start, stop, mb, self.world, r, False)) for r in range(self.world)
+            )
         return mine + [None] * (n_rounds - len(mine))
+
+    def open_round(self, trains: bool, scores: bool = False) -> tuple[int, bool]:
+        """Before a round's forward, on every rank (collective): whether this rank's micro-batch trains a token
+        (a sender: its backward sends its gradient) and whether it needs a pass without training (scores) ->
+        (senders, whether any rank scores). No sender: every rank skips the backward of the round."""
+        if self.world == 1:
+            return int(trains), scores
+        flags = torch.zeros(2, self.world, dtype=torch.int32)
+        flags[0, self.rank], flags[1, self.rank] = int(trains), int(scores)
+        dist.all_reduce(flags)
+        self._flags = [int(f) for f in flags[0]]
+        return sum(self._flags), bool(flags[1].any())
+
+    def reducing(self, model):
+        """For the mini-batch: backwards through the sharded model's gathers reduce here (`reduce_group`)."""
+        return fsdp.reducing(model, self)
+
+    def reduce_group(self, params: list, grads: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """A gathered group's full gradients, in its backward (collective, every rank the same groups in the same
+        order) -> each local shard's gradient. ordered: each parameter's shard j sent to rank j and added to its
+        fp32 accumulator in sender (= micro-batch) order, None returned (autograd accumulates nothing); off: the
+        reduce-scattered shard / W (autograd accumulates it across micro-batches into the DTensor's grad)."""
+        out = []
+        for p, g in zip(params, grads):
+            i = self._index[id(p)]
+            g = g.float().reshape(-1)
+            if self.ordered:
+                self._send(i, g)
+                out.append(None)
+            else:
+                out.append(self._reduce_scatter(i, g).view(-1, *p.shape[1:]).to(p.dtype))
+        return out
+
+    def _send(self, i: int, g: torch.Tensor) -> None:
+        """Ordered: shard j of parameter i's full gradient g (this round's) to rank j, from senders only; the
+        received parts added to this rank's accumulator in rank order (the first one cloned)."""
+        flags, mine = self._flags, self._numel(i, self.rank)
+        trained, senders = flags[self.rank], sum(flags)
+        recv = torch.empty(mine * senders, device=g.device)
+        dist.all_to_all_single(
+            recv,
+            g if trained else g[:0],  # dim-0 shards are contiguous: rank j's is the j-th run of elements
+            output_split_sizes=[mine * f for f in flags],
+            input_split_sizes=[self._numel(i, j) * trained for j in range(self.world)],
+        )
+        for part in recv.view(senders, mine):  # senders in rank order = micro-batch order
+            if self._acc[i] is None:
+                self._acc[i] = part.clone()
+            else:
+                self._acc[i] += part
 
     def gather_rows(self, tensors: list[torch.Tensor | None], mine: list[slice]) -> list[torch.Tensor | None]:
         """Rows each rank computed (its `mine` slices), assembled on every rank (a copy: the same bits)."""
@@ -316,54 +366,24 @@ class DataParallel:
             return [r for _, r in records]
         return [r for _, r in sorted(x for rs in all_gather_object(records) for x in rs)]
 
-    def after_backward(self, model, trained: bool) -> None:
-        """Ordered, once per round on every rank (collective): each rank's gradient of the round sent shard by
-        shard to its owner (one all-to-all per parameter), added there in micro-batch order; the next backward
-        starts from none."""
-        if self.world == 1 or not self.ordered:
-            return
-        params = list(model.parameters())  # the unsharded ones (between `unshard` and `reshard`)
-        flags = torch.zeros(self.world, dtype=torch.int32)
-        flags[self.rank] = int(trained)
-        dist.all_reduce(flags)  # which ranks have a gradient this round
-        senders = int(flags.sum())
-        if not senders:
-            return
-        first, self._acc = self._acc is None, self._acc or [None] * len(params)
-        for i, p in enumerate(params):
-            mine = self._numel(i, self.rank)
-            g = (p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1)
-            recv = torch.empty(mine * senders, device=g.device)
-            dist.all_to_all_single(
-                recv,
-                g if trained else g[:0],  # dim-0 shards are contiguous: rank j's is the j-th run of elements
-                output_split_sizes=[mine * int(f) for f in flags],
-                input_split_sizes=[self._numel(i, j) * trained for j in range(self.world)],
-            )
-            for k, part in enumerate(recv.view(senders, mine)):  # senders in rank order = micro-batch order
-                if first and k == 0:
-                    self._acc[i] = part.clone()
-                else:
-                    self._acc[i] += part
-            p.grad = None
-
     def reduce(self, model, max_norm: float) -> float:
-        """After the mini-batch's backwards, the model still unsharded: the sharded gradients, clipped -> norm."""
+        """After the mini-batch's backwards: this rank's gradient shards (the ordered accumulator, or off the
+        reduce-scattered grads autograd accumulated), clipped by the whole gradient's norm -> the norm."""
         if self.world == 1:
             return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-        live = list(model.parameters())
         if self.ordered:
-            flat, self._acc = self._acc, None
-            if flat is None:  # no token in the mini-batch: no gradient (as one process: grads stay None)
+            flat, self._acc = self._acc, [None] * len(self.sharded)
+            if flat[0] is None:  # no token in the mini-batch: no gradient (as one process: grads stay None)
                 for p in self.sharded:
                     p.grad = None
                 return 0.0
         else:
-            flat = [self._reduce_scatter(i, p) for i, p in enumerate(live)]
-        for p in live:
-            p.grad = None
-        local = [g.view(-1, *p.shape[1:]) for g, p in zip(flat, live)]
-        total = self._norm(local, live)
+            flat = [
+                torch.zeros(self._numel(i, self.rank)) if p.grad is None else p.grad.to_local()
+                for i, p in enumerate(self.sharded)
+            ]
+        local = [g.reshape(-1, *p.shape[1:]) for g, p in zip(flat, self.sharded)]
+        total = self._norm(local)
         torch._foreach_mul_(local, torch.clamp(max_norm / (total + 1e-6), max=1.0))  # clip_grad_norm_'s own
         from torch.distributed.tensor import DTensor
 
@@ -373,15 +393,15 @@ class DataParallel:
             )
         return float(total)
 
-    def _reduce_scatter(self, i: int, p: torch.Tensor) -> torch.Tensor:
-        """off: this rank's shard of parameter i's gradient summed over ranks, / W (padded to equal shards)."""
+    def _reduce_scatter(self, i: int, g: torch.Tensor) -> torch.Tensor:
+        """off: this rank's shard of parameter i's (flat) gradient summed over ranks, / W (padded to equal
+        shards)."""
         pad = self._numel(i, 0)
-        g = (p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1)
         out = torch.empty(pad, device=g.device)
         dist.reduce_scatter_tensor(out, torch.nn.functional.pad(g, (0, pad * self.world - g.numel())))
         return out[: self._numel(i, self.rank)] / self.world
 
-    def _norm(self, local: list[torch.Tensor], live: list[torch.Tensor]) -> torch.Tensor:
+    def _norm(self, local: list[torch.Tensor]) -> torch.Tensor:
         """The gradient's 2-norm as one process's clip_grad_norm_ takes it: each parameter's norm over its whole
         gradient (ordered: gathered one parameter at a time), then the norm of those norms. off: from the
         shards' sums of squares."""
@@ -390,11 +410,11 @@ class DataParallel:
             dist.all_reduce(sq)
             return sq.sqrt()
         norms = []
-        for i, (g, p) in enumerate(zip(local, live)):
+        for i, (g, p) in enumerate(zip(local, self.sharded)):
             pad = self._numel(i, 0)
             parts = [torch.empty(pad, device=g.device) for _ in range(self.world)]
             dist.all_gather(parts, torch.nn.functional.pad(g.reshape(-1), (0, pad - g.numel())))
-            full = torch.cat([t[: self._numel(i, r)] for r, t in enumerate(parts)]).view_as(p).to(p.dtype)
+            full = torch.cat([t[: self._numel(i, r)] for r, t in enumerate(parts)]).view(p.shape).to(p.dtype)
             norms.extend(torch._foreach_norm([full], 2.0))  # clip_grad_norm_'s per-tensor norm
             del full, parts
         return torch.linalg.vector_norm(torch.stack(norms), 2.0)

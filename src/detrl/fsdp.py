@@ -6,15 +6,24 @@ final norm, lm_head). Mixed precision (`policy`): on GPUs under `off` the blocks
 process's. The weight sync and `fp/params` read the parameters one at a time (`full_items`): at most one full
 tensor exists at once, never the full model.
 
+detrl's functional forward reads a sharded model through `Gather` (`gather_root`, `gather_block`): one group's
+local shards in, its full tensors out (one all-gather), and in the backward the group's full gradients handed to
+the model's reducer (`reducing`), which sends them to their owners. At most one block (plus the root group) is
+gathered at a time: the forward gathers each block inside its checkpointed layer, the backward again.
+
 No import of detrl here (distributed.py re-exports these): the mesh is torch's, over the default group.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import weakref
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 _MESH = None
 
@@ -47,8 +56,8 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def shard(model: torch.nn.Module, compute: torch.dtype | None = None, ordered: bool = True) -> None:
     """`fully_shard` on each block, then the root (in place): torchtitan's parallelize order. detrl's functional
-    forward runs no module hooks: `unshard` / `reshard` around it are explicit; the modules' own forward (layer
-    digests) gathers and frees one block at a time through FSDP2's hooks."""
+    forward runs no module hooks: it gathers each group itself (`Gather`, in the shards' fp32); the modules' own
+    forward (layer digests) gathers and frees one block at a time through FSDP2's hooks (in `param_dtype`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     p = next(model.parameters())
@@ -78,7 +87,8 @@ def groups(model) -> list:
 
 
 def unshard(model) -> None:
-    """Every group's full parameters all-gathered (each group one all-gather). Collective."""
+    """Every group's full parameters all-gathered (each group one all-gather; inspection only: the trainer's
+    passes gather one block at a time through `Gather`). Collective."""
     for g in groups(model):
         g.unshard()
 
@@ -110,7 +120,80 @@ def full_params(model) -> Iterator[torch.Tensor]:
         yield p.full_tensor() if isinstance(p, DTensor) else p
 
 
-def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """The whole state dict (DTensors all-gathered; the same names and bits as unsharded): checkpoints' final
-    save only. The per-step sync uses `full_items`."""
-    return dict(full_items(model)) if is_sharded(model) else model.state_dict()
+def gathers(model) -> Gathers:
+    """The model's own `Gathers` (made on first use; one per model, no state shared across models)."""
+    g = model.__dict__.get("_detrl_gathers")
+    if g is None:
+        g = model.__dict__["_detrl_gathers"] = Gathers()
+    return g
+
+
+@contextlib.contextmanager
+def reducing(model, reducer):
+    """For the block: backwards through `model`'s gathers hand their full gradients to `reducer`
+    (`reducer.reduce_group(params, grads)` -> each local shard's gradient, or None)."""
+    g = gathers(model)
+    g.reducer = reducer
+    try:
+        yield
+    finally:
+        g.reducer = None
+
+
+def _all_gather(shards: tuple[torch.Tensor, ...], shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Full tensors from every rank's dim-0 shards (torch.chunk's cut, as FSDP2's Shard(0)): each shard padded
+    to ceil(d0 / W) rows, one flat all-gather for the group, then trimmed."""
+    world = dist.get_world_size()
+    sizes = [-(-s[0] // world) * math.prod(s[1:]) for s in shapes]
+    flat = torch.cat([F.pad(t.reshape(-1), (0, n - t.numel())) for t, n in zip(shards, sizes)])
+    parts = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(parts, flat)
+    out, lo = [], 0
+    for s, n in zip(shapes, sizes):
+        rows, rest = -(-s[0] // world), math.prod(s[1:])
+        held = [min(rows, max(0, s[0] - r * rows)) * rest for r in range(world)]  # rank r's shard, unpadded
+        out.append(torch.cat([p[lo : lo + k] for p, k in zip(parts, held)]).view(s))
+        lo += n
+    return out
+
+
+class Gather(torch.autograd.Function):
+    """(gathers, params, *local shards) -> the params' full tensors. Backward: the full gradients to the
+    reducer, whose returned shard gradients (or None) flow on to the DTensor parameters."""
+
+    @staticmethod
+    def forward(ctx, book: Gathers, params: list, *shards: torch.Tensor):
+        ctx.book, ctx.params = book, params
+        full = _all_gather(shards, [p.shape for p in params])
+        book.track(full)
+        return tuple(full)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        if ctx.book.reducer is None:
+            raise RuntimeError("a backward through a sharded model's gathers needs a reducer (fsdp.reducing)")
+        return None, None, *ctx.book.reducer.reduce_group(ctx.params, list(grads))
+
+
+def _gather(model, params: list) -> list[torch.Tensor]:
+    full = Gather.apply(gathers(model), params, *(p.to_local() for p in params))
+    return list(full)
+
+
+def gather_block(model, block: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """One block's parameters, full (names relative to the block). Collective."""
+    named = list(block.named_parameters())
+    return dict(zip((n for n, _ in named), _gather(model, [p for _, p in named])))
+
+
+def root_params(model) -> list[torch.Tensor]:
+    """The root group's parameters (the embedding, final norm, lm_head; a tied one once), in a fixed order."""
+    inner = {id(p) for b in blocks(model) for p in b.parameters()}
+    return [p for p in model.parameters() if id(p) not in inner]
+
+
+def gather_root(model) -> dict[int, torch.Tensor]:
+    """The root group's parameters, full, by the identity of the sharded parameter (tied ones share one
+    gathered tensor). Collective."""
+    params = root_params(model)
+    return dict(zip((id(p) for p in params), _gather(model, params)))

@@ -219,8 +219,8 @@ def start(cfg: TrainConfig, run_dir: Path, group: str) -> Run:
         (run_dir / "numerics.json").write_text(json.dumps(numerics, indent=1))
     engine = make_engine(cfg, model, det, rt, sampling, tokenizer, run_dir)
     if world > 1:  # FSDP2 over the trainer's models; this rank's engine serves its share of each generate
-        # fp32 gathers: the update accumulates gradients on the gathered parameters, so bf16 gathers (compute=)
-        # would accumulate them in bf16; not enabled until the reduce runs per micro-batch
+        # the update's passes gather each block themselves in the shards' fp32 (fsdp.Gather) and reduce its
+        # gradient in its backward; compute= (bf16 gathers through FSDP2's hooks) is not used by them
         distributed.shard(model, ordered=det.ordered_reduce)
         engine = RankEngine(engine, det)
     ref_model = reference(cfg, tokenizer, task, rt, model, det.ordered_reduce)

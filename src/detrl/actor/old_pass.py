@@ -71,16 +71,21 @@ class Recompute:
     def before(self, model, ref_model) -> None:
         """The no-grad pass over this rank's micro-batches; rows gathered; old, loss mask and correction."""
         s, b = self.s, self.s.batch
-        with torch.no_grad(), distributed.unsharded(model, ref_model):
+        with torch.no_grad():
             if ref_model is not None:
                 self.ref_logp = torch.zeros_like(b.mask)
-            for sl in self.mine:
+            # rounds: under FSDP2 every rank runs as many passes (their gathers are collective), one row where
+            # it holds no micro-batch of a round
+            for item in s.dp.rounds(0, b.input_ids.shape[0], s.spec.micro_batch_size):
+                sl = slice(0, 1) if item is None else item[1]
                 if self.policy_pass:  # the router's own ids only when the engine recorded some
-                    self._keep(
-                        sl, s.logprobs(model, sl, b.mask[sl], entropy=True, routes=self.agree is not None)
-                    )
+                    out = s.logprobs(model, sl, b.mask[sl], entropy=True, routes=self.agree is not None)
+                    if item is not None:
+                        self._keep(sl, out)
                 if ref_model is not None:
-                    self.ref_logp[sl], _ = s.logprobs(ref_model, sl, b.mask[sl], replay=False)
+                    ref, _ = s.logprobs(ref_model, sl, b.mask[sl], replay=False)
+                    if item is not None:
+                        self.ref_logp[sl] = ref
         if self.policy_pass:
             self.old_trainer, self.ent, self.agree = s.dp.gather_rows(
                 [self.old_trainer, self.ent, self.agree], self.mine
@@ -98,6 +103,15 @@ class Recompute:
         if not mask.any():
             return None
         return self.s.logprobs(model, sl, mask, entropy=bool(self.s.spec.entropy_coeff))
+
+    def idle(self, model, sl: slice | None, grad: bool) -> None:
+        """FSDP2: a pass that trains nothing, so that this rank runs a round's gathers (and, grad, the backward's
+        reduces, sending zeros or nothing) with the others: one row of the batch, every position scored."""
+        one = slice(0, 1)
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            logp, _ = self.s.logprobs(model, one, torch.ones_like(self.s.batch.mask[one]))
+        if grad:
+            (logp.sum() * 0).backward()
 
     def after_mini_batch(self) -> None:
         pass
@@ -124,14 +138,29 @@ class Current(Recompute):
 
     def score(self, model, sl: slice, mask: torch.Tensor):
         """Every response token's logprobs (metrics); without gradients where no token trains."""
-        b = self.s.batch
         with contextlib.nullcontext() if mask.any() else torch.no_grad():
-            out = self.s.logprobs(model, sl, b.mask[sl], entropy=True, routes=self.agree is not None)
+            out = self._scored(model, sl)
+        return out[:2] if mask.any() else None
+
+    def idle(self, model, sl: slice | None, grad: bool) -> None:
+        """FSDP2, a round this rank trains nothing in: its micro-batch (if any) still scored, by the same pass
+        (with a backward of zeros where other ranks train: the same collectives as theirs); else one row's."""
+        b = self.s.batch
+        if sl is None or not b.mask[sl].any():  # (nothing to score: its logprobs are zeros either way)
+            return super().idle(model, sl, grad)
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            logp, _ = self._scored(model, sl)
+        if grad:
+            (logp.sum() * 0).backward()
+
+    def _scored(self, model, sl: slice):
+        b = self.s.batch
+        out = self.s.logprobs(model, sl, b.mask[sl], entropy=True, routes=self.agree is not None)
         self._keep(sl, out)
         self.old[sl] = old_logprobs(
             self.s.spec.stale_tokens, self.old_trainer[sl], b.rollout_logp[sl], self.s.fresh[sl], b.mask[sl]
         )[0]
-        return out[:2] if mask.any() else None
+        return out
 
     def after_mini_batch(self) -> None:
         self.old_trainer, self.ent, self.agree = self.s.dp.gather_rows(

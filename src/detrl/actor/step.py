@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from detrl import distributed, guards
+from detrl import guards
 from detrl.actor.old_pass import Recompute
 from detrl.algos import POLICY_LOSSES, agg_loss, kl_penalty
 from detrl.algos.policy_loss import micro_batch_seed
@@ -32,16 +32,14 @@ def mini_batch_step(
     )
     records = []  # per micro-batch (key, metrics), summed in global micro-batch order below
     opt.zero_grad(set_to_none=True)
-    distributed.unshard(model)  # FSDP2: the full weights for the functional forward (else a no-op)
-    for item in dp.rounds(start, stop, s.micro_batch_size):
-        rec = None if item is None else _backward(model, adv, old, item[1], agg, tokens, scaler)
-        if rec is not None:
-            records.append((item[0], rec))
-        dp.after_backward(model, trained=rec is not None)  # ordered: the round's shards to their owners
+    with dp.reducing(model):  # FSDP2: each block's backward sends its gradient shards to their owners
+        for item in dp.rounds(start, stop, s.micro_batch_size):
+            rec = _round(model, adv, old, item, agg, tokens, scaler)
+            if rec is not None:
+                records.append((item[0], rec))
     scaler.unscale(opt)  # float16: the true gradients before clipping
     grad_norm = dp.reduce(model, s.grad_clip)  # this rank's gradient shards, clipped
     old.after_mini_batch()
-    distributed.reshard(model)
     sums = dict.fromkeys(STEP_KEYS[:-1], 0.0)
     for rec in dp.gather_records(records):
         for k, v in rec.items():
@@ -53,6 +51,26 @@ def mini_batch_step(
     else:
         guards.finite_step(opt, grad_norm, s.max_nonfinite_grad_steps)
     return {**sums, "grad_norm": float(grad_norm)}
+
+
+def _round(
+    model, adv, old: Recompute, item, agg: dict, tokens, scaler: LossScaler
+) -> dict[str, float] | None:
+    """One round's micro-batch on this rank (item None: none) -> its metrics (None: nothing trained). W > 1:
+    every rank runs the same passes (their gathers and reduces are collective): where some rank trains, a rank
+    that does not runs a backward of zeros and sends nothing; where none does, none runs a backward (`current`
+    still scores its rows without gradients)."""
+    dp = old.s.dp
+    if dp.world == 1:
+        return _backward(model, adv, old, item[1], agg, tokens, scaler)
+    sl = None if item is None else item[1]
+    trains = sl is not None and bool(old.train_mask[sl].any())
+    senders, scoring = dp.open_round(trains, sl is not None and not old.policy_pass)
+    if trains:
+        return _backward(model, adv, old, sl, agg, tokens, scaler)
+    if senders or scoring:
+        old.idle(model, sl, grad=senders > 0)
+    return None
 
 
 def _backward(

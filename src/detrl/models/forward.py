@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from detrl import fsdp
 from detrl.models.ops import Ops, routing_weights
 from detrl.models.primitives import apply_rope
 from detrl.models.primitives import rope_tables as rope_tables  # re-exported: callers build the tables here
@@ -68,41 +69,81 @@ class Weights:
                 dst.copy_(src)
 
 
+def fuse_layer(layer, c, params: dict[str, torch.Tensor] | None = None) -> LayerWeights:
+    """One decoder block's weights as the forward consumes them (q|k|v and dense gate|up concatenated).
+    params: the block's tensors by name (a sharded block's gathered ones); None: the module's own."""
+    get = layer.get_parameter if params is None else params.__getitem__
+    if hasattr(layer.mlp, "experts"):  # Qwen3-MoE: the experts' gate/up are stacked already
+        gate_up, down = get("mlp.experts.gate_up_proj"), get("mlp.experts.down_proj")
+        router = get("mlp.gate.weight")
+    else:
+        gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])
+        down, router = get("mlp.down_proj.weight"), None
+    return LayerWeights(
+        input_norm=get("input_layernorm.weight"),
+        qkv=torch.cat(
+            [get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"), get("self_attn.v_proj.weight")]
+        ),
+        qk_norm=torch.cat(
+            [
+                get("self_attn.q_norm.weight").expand(c.num_attention_heads, -1),
+                get("self_attn.k_norm.weight").expand(c.num_key_value_heads, -1),
+            ]
+        ),
+        o=get("self_attn.o_proj.weight"),
+        post_norm=get("post_attention_layernorm.weight"),
+        gate_up=gate_up,
+        down=down,
+        router=router,
+    )
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    return t if t is None or dtype is None or dtype == t.dtype else t.to(dtype)
+
+
+@dataclass
+class ShardedLayer:
+    """An FSDP2-sharded model's block `index`: gathered, fused and cast only when the forward reaches it
+    (`load`, inside the layer's checkpointed function), so one block's full weights exist at a time."""
+
+    model: object
+    index: int
+    dtype: torch.dtype | None
+
+    def load(self) -> LayerWeights:
+        block = fsdp.blocks(self.model)[self.index]
+        lw = fuse_layer(block, self.model.config, fsdp.gather_block(self.model, block))
+        return LayerWeights(**{f.name: _cast(getattr(lw, f.name), self.dtype) for f in fields(LayerWeights)})
+
+
+def _sharded(w: Weights) -> bool:
+    """A sharded model's blocks keep no gathered weights across the forward: under autograd, always recomputed."""
+    return any(isinstance(lw, ShardedLayer) for lw in w.layers)
+
+
 def fuse(model, dtype: torch.dtype | None = None) -> Weights:
     """The model's weights as the forward consumes them (differentiable: gradients flow to the model).
 
     dtype: the compute dtype (e.g. bf16 copies of float32 master weights; None or the model's own: no cast).
+    An FSDP2-sharded model (collective): the root group (embedding, final norm, lm_head) gathered now, the
+    blocks as `ShardedLayer`s the forward gathers one at a time.
     """
     c, inner = model.config, model.model
-    layers = []
-    for layer in inner.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        if hasattr(mlp, "experts"):  # Qwen3-MoE: the experts' gate/up are stacked already
-            gate_up, down, router = mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight
-        else:
-            gate_up, down, router = (
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                mlp.down_proj.weight,
-                None,
-            )
-        layers.append(
-            LayerWeights(
-                input_norm=layer.input_layernorm.weight,
-                qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                qk_norm=torch.cat(
-                    [
-                        a.q_norm.weight.expand(c.num_attention_heads, -1),
-                        a.k_norm.weight.expand(c.num_key_value_heads, -1),
-                    ]
-                ),
-                o=a.o_proj.weight,
-                post_norm=layer.post_attention_layernorm.weight,
-                gate_up=gate_up,
-                down=down,
-                router=router,
-            )
+    if fsdp.is_sharded(model):
+        root = fsdp.gather_root(model)
+        embed, norm, head = (
+            root[id(p)] for p in (inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight)
         )
-    w = Weights(inner.embed_tokens.weight, layers, inner.norm.weight, model.lm_head.weight, c)
+        layers = [ShardedLayer(model, i, dtype) for i in range(len(inner.layers))]
+        return Weights(_cast(embed, dtype), layers, _cast(norm, dtype), _cast(head, dtype), c)
+    w = Weights(
+        inner.embed_tokens.weight,
+        [fuse_layer(layer, c) for layer in inner.layers],
+        inner.norm.weight,
+        model.lm_head.weight,
+        c,
+    )
     if dtype is None or dtype == w.embed.dtype:
         return w
     return w.map(lambda t: t.to(dtype))
@@ -265,6 +306,7 @@ def forward(
     h = w.embed[tokens]  # [B, T, H]
 
     def layer(h, lw, i):
+        lw = lw.load() if isinstance(lw, ShardedLayer) else lw  # gathered here, again in the recompute
         q, k, v = pre(h, lw.input_norm, lw.qkv, lw.qk_norm, *rot, ops, c.num_attention_heads, hd, eps)
         keys, values = _keys_values(k, v, slot, i, cache, ctx_len)
         forced = None if experts is None else experts[:, :, i].reshape(b * t, -1)  # [B T, k]
@@ -287,7 +329,7 @@ def forward(
             forced,
         )
 
-    recompute = ops.checkpoint and cache is None and torch.is_grad_enabled()
+    recompute = (ops.checkpoint or _sharded(w)) and cache is None and torch.is_grad_enabled()
     chosen = []  # per layer [B T, k] (MoE)
     for i, lw in enumerate(w.layers):
         h, ids = checkpoint(layer, h, lw, i, use_reentrant=False) if recompute else layer(h, lw, i)
