@@ -120,6 +120,27 @@ def full_params(model) -> Iterator[torch.Tensor]:
         yield p.full_tensor() if isinstance(p, DTensor) else p
 
 
+# --- per-group gathers for the functional forward ----------------------------------------------------------
+
+
+class Gathers:
+    """A model's gathered parameters now alive and their high-water mark (elements), and the reducer the
+    backward hands gradients to (None outside `reducing`: no backward through the gathers)."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self.reducer = None
+
+    def track(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            self.live += t.numel()
+            weakref.finalize(t, self._drop, t.numel())
+        self.peak = max(self.peak, self.live)
+
+    def _drop(self, n: int) -> None:
+        self.live -= n
+
+
 def gathers(model) -> Gathers:
     """The model's own `Gathers` (made on first use; one per model, no state shared across models)."""
     g = model.__dict__.get("_detrl_gathers")
