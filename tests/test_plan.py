@@ -65,8 +65,38 @@ def test_resident_parts_shard_with_the_world():
     assert r["master weights"] == 396 * 4 / 2
     assert r["optimizer state"] == 2 * 396 * 4 / 2
     assert r["reference model"] == 396 * 4 / 2
-    assert r["engine weights"] == 396 * 2  # CUDA engine: bf16 fused weights, whole
-    assert mem.resident(TINY, _work(device="cpu", compute_bytes=4), TODAY, 2)["engine weights"] == 396 * 8
+    # either engine: its fused weights (396 parameters + the q/k norms' per-head rows, 2 x (2 + 1 - 2) x 2),
+    # whole, in the compute dtype; the CPU engine holds no fp32 model beside them (was 396 x (4 + 4))
+    assert r["engine weights"] == 400 * 2
+    assert mem.resident(TINY, _work(device="cpu", compute_bytes=4), TODAY, 2)["engine weights"] == 400 * 4
+    tied = dataclasses.replace(
+        TINY, tied=True
+    )  # params 356; the engine clones the head apart from the embedding
+    assert (tied.params, tied.engine_elements) == (356, 356 + 4 + 40)
+
+
+@pytest.mark.parametrize("overrides", [(), ("model.tie_word_embeddings=true",), ("model=qwen3_moe",)])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_cpu_engine_term_is_what_the_engine_holds(overrides, dtype):
+    # the planner's CPU engine part against an EmbeddedEngine built as rollout/registry.py builds it: its tensors'
+    # bytes are the fused weights in the compute dtype, and it keeps no module (no fp32 model copy)
+    from detrl.models.build import build_model
+    from detrl.models.ops import BATCH_INVARIANT_OPS
+    from detrl.rollout.base import SamplingParams
+    from detrl.rollout.embedded import EmbeddedEngine
+
+    cfg = make_cfg("model.init=random", *overrides)
+    model = build_model(cfg.model, seed=0)
+    ops = dataclasses.replace(BATCH_INVARIANT_OPS, dtype=dtype)
+    engine = EmbeddedEngine(model, ops, 16, SamplingParams(), seed=0)
+    try:
+        held = sum(t.numel() * t.element_size() for t in engine.weights.tensors())
+        assert not any(isinstance(v, torch.nn.Module) for v in vars(engine).values())
+    finally:
+        engine.close()
+    c = 2 if dtype == torch.bfloat16 else 4
+    w = _work(device="cpu", compute_bytes=c)
+    assert mem.resident(planner.shapes_of(cfg.model), w, TODAY, 2)["engine weights"] == held
 
 
 def test_stash_reduce_buffers():
@@ -100,11 +130,98 @@ def test_activation_arithmetic():
     w = _work(compute_bytes=4, attention="flash")
     tokens = 2 * 8
     head = 2 * tokens * 4 * 4 + 4 * tokens * 10 * 4  # 4 chunks of [16 rows, 10] fp32 logits
-    assert mem.activations(TINY, w) == 3 * tokens * 98 * 4 + head  # 2 blocks saved + 1 for the gradients
+    mask = 2 * 8 * 8  # the pass's [2 seqs, 1, 8, 8] bool mask
+    assert (
+        mem.activations(TINY, w) == 3 * tokens * 98 * 4 + mask + head
+    )  # 2 blocks saved + 1 for the gradients
     ck = _work(compute_bytes=4, attention="flash", checkpointing=True)
-    assert mem.activations(TINY, ck) == 2 * tokens * 4 * 4 + 2 * tokens * 98 * 4 + head
+    assert mem.activations(TINY, ck) == 2 * tokens * 4 * 4 + 2 * tokens * 98 * 4 + mask + head
     scores = 2 * 2 * 8 * 8 * 4  # [2 seqs, 2 heads, 8, 8] fp32
-    assert mem.activations(TINY, _work(compute_bytes=4)) == 3 * tokens * 98 * 4 + 4 * scores + head
+    # materialised: both layers' probabilities and inverted masks saved, 2 more score tensors in the backward
+    assert mem.activations(TINY, _work(compute_bytes=4)) == 3 * tokens * 98 * 4 + 4 * scores + 3 * mask + head
+
+
+QWEN3_8B = Shapes(
+    vocab=151936, hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128
+)
+
+
+def test_the_query_chunk_is_the_codes():
+    from detrl.models import primitives
+
+    assert mem.ATTN_QUERY_CHUNK == primitives.ATTN_QUERY_CHUNK == 1024
+
+
+@pytest.mark.parametrize("device,c,nbytes", [("cuda", 2, 4), ("cpu", 4, 4), ("cpu", 2, 2)])
+def test_pieces_bound_the_attention_at_a_long_context(device, c, nbytes):
+    # dapo's context (2,048 + 20,480 new tokens): one piece of 1,024 query rows at a time, never [1, 32, T, T]
+    ctx, s = 22528, QWEN3_8B
+    w = _work(device=device, compute_bytes=c, ctx_len=ctx, micro_batch=1, attention="pieces")
+    piece = 1 * 32 * 1024 * ctx * nbytes  # [1, Hq, 1024, L]: CUDA's recomputation softmax in fp32
+    assert mem.query_rows(w) == 1024
+    assert mem.attention_scores(s, w, 1) == piece
+    repeated = 3 * 1 * 32 * ctx * 128 * c + 2 * 1 * 8 * ctx * 128 * 4 if device == "cuda" else 0
+    assert mem.attention_backward(s, w, 1) == 3 * piece + repeated
+    flash = mem.activations(s, mem.replace(w, attention="flash"))
+    assert mem.activations(s, w) - flash == 3 * piece + repeated
+    whole = 1 * 32 * ctx * ctx * nbytes  # what one layer's [1, H, T, L] would take
+    assert mem.activations(s, w) - flash < 3 * whole / 20  # bounded by the piece (22 pieces of 1,024 rows)
+    # the layers do not add up: the forward saves no probabilities in pieces
+    deeper = dataclasses.replace(s, layers=72)
+    assert (
+        mem.activations(deeper, w) - mem.activations(deeper, mem.replace(w, attention="flash"))
+        == 3 * piece + repeated
+    )
+    ck = mem.replace(w, checkpointing=True)
+    assert (
+        mem.activations(s, ck) - mem.activations(s, mem.replace(ck, attention="flash"))
+        == 3 * piece + repeated
+    )
+
+
+def test_a_short_pass_is_one_piece():
+    # ctx <= 1,024: the CUDA backward recomputes the whole pass once (pieces == recompute); the CPU op is not cut
+    w = _work(ctx_len=1000, micro_batch=2, attention="pieces")
+    assert mem.query_rows(w) == 1000
+    assert mem.attention_backward(QWEN3_8B, w, 2) == mem.attention_backward(
+        QWEN3_8B, mem.replace(w, attention="recompute"), 2
+    )
+    assert mem.attention_mode("cpu", True, "pieces", 1024) == "materialised"
+    assert mem.attention_mode("cpu", True, "pieces", 1032) == "pieces"
+
+
+@pytest.mark.parametrize(
+    "device,invariant,backward,want",
+    [
+        ("cuda", True, "pieces", "pieces"),  # Triton attention, attention_backward in pieces
+        ("cpu", True, "pieces", "pieces"),  # bi_attention, query_chunked
+        ("cuda", True, "torch", "recompute"),  # before: one layer's [B, H, T, L] recomputed
+        ("cpu", True, "torch", "materialised"),  # before: every layer's saved
+        ("cuda", False, "pieces", "flash"),  # SDPA is_causal
+        ("cpu", False, "pieces", "flash"),  # torch's CPU flash kernel: no probabilities saved
+        ("cuda", True, "flash", "flash"),
+    ],
+)
+def test_attention_mode_per_op_set(device, invariant, backward, want):
+    assert mem.attention_mode(device, invariant, backward, 22528) == want
+
+
+def test_the_code_layout_runs_the_attention_in_pieces():
+    from detrl.plan.__main__ import compose
+
+    cfg = compose(["experiment=dapo_math_qwen3_8b"])
+    ctx = planner.context_bound(cfg)
+    assert ctx == 22528 and planner.code_layout().attn_backward == "pieces"
+    assert planner.workload_of(cfg, ctx, "cuda").attention == "pieces"
+    assert planner.workload_of(cfg, ctx, "cuda", TODAY).attention == "recompute"
+    assert (
+        planner.workload_of(
+            compose(["experiment=dapo_math_qwen3_8b", "determinism=off"]), ctx, "cuda"
+        ).attention
+        == "flash"
+    )
+    p, s, w, _ = planner.for_config(cfg, ctx, 8, "cuda", 141 * mem.GIB)
+    assert w.attention == "pieces" and p.phases["backward"]["activations"] == mem.activations(s, w)
 
 
 def test_gathered_copies():
@@ -147,6 +264,12 @@ def test_layout_is_read_from_the_code(monkeypatch):
         ValueError, match=r"layout.gather='layer' is not valid; choose one of \['model', 'block'\]"
     ):
         planner.code_layout()
+    monkeypatch.setattr(distributed, "PLAN_LAYOUT", {"attn_backward": "chunks"}, raising=False)
+    with pytest.raises(
+        ValueError,
+        match=r"layout.attn_backward='chunks' is not valid; choose one of \['torch', 'pieces', 'flash'\]",
+    ):
+        planner.code_layout()
 
 
 def _cli(tmp_path, *args):
@@ -157,14 +280,30 @@ def _cli(tmp_path, *args):
     return rc, json.loads(out.read_text())
 
 
-def test_cli_recipe_fits_on_8_and_not_on_1(tmp_path):
-    args = ("experiment=qwen3_8b_gsm8k_grpo", "activation_checkpointing=true", "--layout", "fsdp2")
+@pytest.mark.parametrize("layout", ["code", "fsdp2"])
+def test_cli_recipe_fits_on_8_and_not_on_1(tmp_path, layout):
+    args = ("experiment=qwen3_8b_gsm8k_grpo", "activation_checkpointing=true", "--layout", layout)
     rc, on8 = _cli(tmp_path, *args, "--world-size", "8", "--device-memory-gib", "141")
     assert rc == 0 and on8["fits"] is True and on8["per_rank_gib"] <= 141
     assert on8["per_rank_gib"] == pytest.approx(sum(on8["parts_gib"].values()))
     rc, on1 = _cli(tmp_path, *args, "--world-size", "1", "--device-memory-gib", "141")
     assert rc == 1 and on1["fits"] is False and on1["per_rank_gib"] > 141
     assert "largest part: optimizer state" in on1["verdict"]
+
+
+def test_no_micro_batch_note_names_the_piece(tmp_path):
+    # dapo at determinism=on on the code layout: the preflight's [8, 22528] logits fit at no micro-batch; the note
+    # says what the attention holds now (one 1,024-row piece), not [micro_batch, heads, ctx, ctx]
+    rc, out = _cli(
+        tmp_path, "experiment=dapo_math_qwen3_8b", "--world-size", "8", "--device-memory-gib", "141"
+    )
+    assert rc == 1 and out["fits"] is False
+    rc, out = _cli(
+        tmp_path, "experiment=dapo_math_qwen3_8b", "rollout.max_batch_size=1", "--world-size", "8",
+        "--device-memory-gib", "141",
+    )  # fmt: skip
+    assert rc == 1 and "largest part: activations" in out["verdict"]
+    assert "[1, 32, 1024, 22528] scores at a time" in out["verdict"]
 
 
 def test_cli_needs_a_prompt_bound(capsys):

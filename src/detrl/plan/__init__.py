@@ -12,7 +12,20 @@ import json
 from pathlib import Path
 
 from detrl.config import ConfigError, TrainConfig
-from detrl.plan.memory import GIB, LAYOUTS, TODAY, Layout, Plan, Shapes, Workload, min_world, plan, replace
+from detrl.plan.memory import (
+    ATTN_QUERY_CHUNK,
+    GIB,
+    LAYOUTS,
+    TODAY,
+    Layout,
+    Plan,
+    Shapes,
+    Workload,
+    attention_mode,
+    min_world,
+    plan,
+    replace,
+)
 
 __all__ = ["GIB", "LAYOUTS", "Layout", "Plan", "PlanError", "Shapes", "Workload", "code_layout", "for_config"]
 
@@ -43,15 +56,17 @@ def shapes_of(m) -> Shapes:
     )
 
 
-def workload_of(cfg: TrainConfig, ctx_len: int, device: str) -> Workload:
-    """One rank's sizes under `cfg` (device: cpu | cuda; the compute dtype as detrl.device resolves it)."""
+def workload_of(cfg: TrainConfig, ctx_len: int, device: str, layout: Layout | None = None) -> Workload:
+    """One rank's sizes under `cfg` (device: cpu | cuda; the compute dtype as detrl.device resolves it); the
+    attention's memory per the op set and `layout.attn_backward` (None: the code's, `code_layout`)."""
     r, a = cfg.rollout, cfg.algo
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     rows = cfg.train_batch_size * r.n
     per_mini = min(rows, (a.ppo_mini_batch_size or cfg.train_batch_size) * r.n)
     evals = cfg.eval.batch_prompts * cfg.eval.n if cfg.eval.every else 0
     invariant = cfg.determinism.kernels == "batch_invariant"
-    attention = "materialised" if device == "cpu" else ("recompute" if invariant else "flash")
+    attn_backward = (layout or code_layout()).attn_backward
+    attention = attention_mode(device, invariant, attn_backward, ctx_len)
     return Workload(
         device=device,
         compute_bytes=2 if dtype == "bfloat16" else 4,
@@ -72,7 +87,8 @@ def workload_of(cfg: TrainConfig, ctx_len: int, device: str) -> Workload:
 
 def code_layout() -> Layout:
     """The layout the trainer's code has. `detrl.distributed` may declare what it does (`PLAN_LAYOUT`, a dict of
-    `Layout` fields, e.g. {"gather": "block", "reduce": "shard"}); without it, today's code, as read from it:
+    `Layout` fields, e.g. {"gather": "block", "reduce": "shard", "attn_backward": "pieces"}); without it, the
+    code as it was before those changes:
     `unsharded(model)` all-gathers every parameter in fp32 (`gather=model`, `gather_dtype=master`), the ordered
     reduce stashes every micro-batch's full gradient and all-gathers them (`reduce=stash`), `build` and the
     preflight hold the whole model on every rank (`construct=full`), the sync gathers the full state dict."""
@@ -104,9 +120,8 @@ def context_bound(cfg: TrainConfig) -> int:
 def for_config(
     cfg: TrainConfig, ctx_len: int, world: int, device: str, budget: float, layout: Layout | None = None
 ) -> tuple[Plan, Shapes, Workload, Layout]:
-    s, w, lay = shapes_of(cfg.model), workload_of(cfg, ctx_len, device), layout or code_layout()
-    if w.attention == "recompute" and lay.attn_backward == "flash":
-        w = replace(w, attention="flash")
+    lay = layout or code_layout()
+    s, w = shapes_of(cfg.model), workload_of(cfg, ctx_len, device, lay)
     return plan(s, w, lay, world, budget), s, w, lay
 
 
@@ -133,15 +148,28 @@ def smaller_activations(p: Plan, s: Shapes, w: Workload, lay: Layout, world: int
             return "set " + " ".join(changes + ([f"micro_batch_size={mb}"] if mb != w.micro_batch else []))
         if mb == 1:
             return (
-                "no micro_batch_size fits"
-                + (
-                    ""
-                    if w.attention == "flash"
-                    else " (the attention backward holds [micro_batch, heads, ctx, ctx])"
-                )
+                f"no micro_batch_size fits ({attention_note(s, w)})"
                 + "; a shorter context (data.max_prompt_length, rollout.max_new_tokens) or more memory"
             )
         mb //= 2
+
+
+def attention_note(s: Shapes, w: Workload) -> str:
+    """What the attention holds at one sequence a micro-batch, as the plan counts it."""
+    ctx, mask = w.ctx_len, f"the [1, ctx, ctx] = [1, {w.ctx_len}, {w.ctx_len}] bool mask"
+    if w.attention == "flash":
+        return f"the attention holds no scores, only {mask}"
+    if w.attention == "materialised":
+        return (
+            f"every layer saves [1, heads, ctx, ctx] = [1, {s.heads}, {ctx}, {ctx}] probabilities, and {mask}"
+        )
+    if w.attention == "recompute":
+        return f"the attention backward rebuilds one layer's [1, {s.heads}, {ctx}, {ctx}] fp32 scores, and {mask}"
+    rows = min(ctx, ATTN_QUERY_CHUNK)
+    return (
+        f"the attention backward holds one piece's [1, heads, min(ctx, {ATTN_QUERY_CHUNK}), ctx] = "
+        f"[1, {s.heads}, {rows}, {ctx}] scores at a time, and {mask}"
+    )
 
 
 def advice(p: Plan, s: Shapes, w: Workload, lay: Layout, world: int = 1) -> str:

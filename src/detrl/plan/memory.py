@@ -17,6 +17,7 @@ from dataclasses import dataclass
 GIB = 2**30
 MASTER = 4  # bytes: fp32 master weights, AdamW state and gradients on every device
 HEAD_CHUNK = 2**24  # logits in one lm_head chunk (models/logprobs.py CHUNK_ELEMENTS, fp32)
+ATTN_QUERY_CHUNK = 1024  # query rows per recomputed attention piece (models/primitives.py ATTN_QUERY_CHUNK)
 RUNTIME = {"cpu": 0.5 * GIB, "cuda": 1.0 * GIB}  # process baseline: torch + transformers imported (CPU RSS
 # measured 0.50 GiB); CUDA context, cuBLAS workspace and NCCL buffers (assumed)
 
@@ -67,6 +68,14 @@ class Shapes:
         return self.embed * (1 if self.tied else 2) + self.hidden + self.layers * self.block
 
     @property
+    def engine_elements(self) -> int:
+        """Elements of an engine's weights, `fuse(model, dtype).map(clone)` (rollout/embedded.py, cuda.py,
+        cuda_paged.py): every parameter once (q|k|v and gate|up concatenated: the same count), the q/k norms
+        expanded to one row per head ([Hq + Hkv, D] for 2 D), and a tied lm_head cloned apart from the embedding."""
+        norms = self.layers * (self.heads + self.kv_heads - 2) * self.head_dim
+        return self.params + norms + (self.embed if self.tied else 0)
+
+    @property
     def fused_copies(self) -> int:
         """Elements `fuse` copies even without a cast: the concatenated q|k|v and (dense) gate|up of every block."""
         gate_up = 0 if self.experts else 2 * self.hidden * self.intermediate
@@ -93,8 +102,11 @@ class Layout:
     ref: the reference model on the `device` (sharded like the policy) or offloaded to `cpu`;
     kv: the CUDA engine's KV cache (`static`: [bucket, Hkv, ctx_len, D] per layer per bucket used, kept for the
       run; `paged`: a pool of min(kv_cap_tokens, rows x ctx_len) tokens, released during the update);
-    attn_backward: under batch-invariant CUDA kernels, `torch` recomputes one layer's [B, H, L, L] fp32
-      probabilities in the backward (today's Triton attention), `flash` holds none.
+    attn_backward: the batch-invariant attention's backward (CPU `bi_attention`, CUDA Triton `attention`):
+      `torch` holds [B, H, T, L] probabilities (CPU: every layer's saved; CUDA: one layer's fp32 recomputation);
+      `pieces` (the code now: models/ops.py `query_chunked`, triton_attention.py `attention_backward`) recomputes
+      the query rows in pieces of ATTN_QUERY_CHUNK, [B, H, min(T, ATTN_QUERY_CHUNK), L] at once (the CPU op cuts
+      only T > ATTN_QUERY_CHUNK: shorter passes save every layer's probabilities as before); `flash` holds none.
     """
 
     gather: str = "model"
@@ -123,7 +135,7 @@ CHOICES = {
     "sync": ("full", "block"),
     "ref": ("device", "cpu"),
     "kv": ("static", "paged"),
-    "attn_backward": ("torch", "flash"),
+    "attn_backward": ("torch", "pieces", "flash"),
 }
 TODAY = Layout()
 FSDP2 = Layout("block", "compute", "shard", "sharded", "block", "device", "paged", attn_backward="flash")
@@ -147,9 +159,21 @@ class Workload:
     preflight: bool = True  # determinism.kernels=batch_invariant
     ordered: bool = True  # determinism.reduce=ordered
     checkpointing: bool = False  # activation_checkpointing
-    attention: str = (
-        "materialised"  # materialised (saves [B, H, T, L]) | recompute (one layer's in the backward) | flash
-    )
+    # materialised (every layer saves [B, H, T, L] probabilities) | recompute (the backward rebuilds one layer's
+    # [B, H, T, L], fp32) | pieces (the backward rebuilds one piece of min(T, ATTN_QUERY_CHUNK) query rows) | flash
+    attention: str = "materialised"
+
+
+def attention_mode(device: str, invariant: bool, attn_backward: str, ctx_len: int) -> str:
+    """The `Workload.attention` of an op set. Default kernels (invariant=False): SDPA, flash-style on both devices
+    (CUDA `cuda_attention`: is_causal flash; CPU `sdpa_attention`: torch's CPU flash kernel, which saves the mask
+    and the logsumexp, no probabilities). Batch-invariant: per `Layout.attn_backward` (`pieces`: on CPU a pass of
+    ctx_len <= ATTN_QUERY_CHUNK rows is one `bi_attention_rows` call, materialised)."""
+    if not invariant or attn_backward == "flash":
+        return "flash"
+    if attn_backward == "torch":
+        return "materialised" if device == "cpu" else "recompute"
+    return "materialised" if device == "cpu" and ctx_len <= ATTN_QUERY_CHUNK else "pieces"
 
 
 def _shard(nbytes: float, world: int) -> float:
@@ -159,9 +183,9 @@ def _shard(nbytes: float, world: int) -> float:
 def resident(s: Shapes, w: Workload, lay: Layout, world: int) -> dict[str, float]:
     """Parts every phase after the build holds."""
     p, c = s.params, w.compute_bytes
-    # CPU engine: its own fp32 copy of the policy (update_weights loads into it) + the workers' shared fused
-    # weights (all cloned); CUDA engine: the fused weights in the compute dtype
-    engine = p * MASTER + p * c if w.device == "cpu" else p * c
+    # either engine: its fused weights in the compute dtype and nothing else (CPU: in shared memory, which its
+    # worker processes read; a sync copies each state-dict entry into its view, rollout/weight_views.py)
+    engine = s.engine_elements * c
     on_device_ref = w.reference and not (lay.ref == "cpu" and w.device == "cuda")
     return {
         "runtime": RUNTIME[w.device],
@@ -238,12 +262,42 @@ def layer_activation(s: Shapes, w: Workload) -> float:
     return elems * w.compute_bytes + extra
 
 
+def query_rows(w: Workload) -> int:
+    """Query rows whose scores are live at once: a piece's (pieces), else the whole pass."""
+    return min(w.ctx_len, ATTN_QUERY_CHUNK) if w.attention == "pieces" else w.ctx_len
+
+
 def attention_scores(s: Shapes, w: Workload, seqs: int) -> float:
-    """One layer's [seqs, Hq, L, L] attention probabilities (materialised or recomputed attention; flash: none)."""
+    """One [seqs, Hq, rows, L] score tensor (rows: `query_rows`): materialised in the compute dtype (the CPU op's
+    softmax runs in it); recompute / pieces on CUDA in fp32 (the Triton backward's softmax), on CPU in the compute
+    dtype; flash: none."""
     if w.attention == "flash":
         return 0.0
-    nbytes = w.compute_bytes if w.attention == "materialised" else 4
-    return seqs * s.heads * w.ctx_len * w.ctx_len * nbytes
+    fp32 = w.attention == "recompute" or (w.attention == "pieces" and w.device == "cuda")
+    nbytes = 4 if fp32 else w.compute_bytes
+    return seqs * s.heads * query_rows(w) * w.ctx_len * nbytes
+
+
+def attention_mask(w: Workload, seqs: int) -> float:
+    """The forward's [seqs, 1, T, L] bool mask (models/forward.py), built once a pass and held to the end of the
+    backward (saved by the attention ops, captured by checkpointed layers)."""
+    return seqs * w.ctx_len * w.ctx_len
+
+
+def attention_backward(s: Shapes, w: Workload, seqs: int) -> float:
+    """The attention's backward beyond what the forward saved, for the one layer (and piece) it runs at a time: 3
+    score tensors at its peak (the saved probabilities, their gradient, the softmax's input gradient; counted from
+    ops.bi_attention_rows and triton_attention._attention_torch). CUDA (recompute, pieces): plus the recomputation's
+    grouped-query keys and values repeated to [seqs, Hq, L, D] and the values' gradient, and (more than one
+    piece) the fp32 dk / dv accumulators [seqs, Hkv, L, D]. Flash: none counted."""
+    if w.attention == "flash":
+        return 0.0
+    extra = 0.0
+    if w.device == "cuda" and w.attention in ("recompute", "pieces"):
+        extra = 3 * seqs * s.heads * w.ctx_len * s.head_dim * w.compute_bytes
+        if query_rows(w) < w.ctx_len:
+            extra += 2 * seqs * s.kv_heads * w.ctx_len * s.head_dim * 4
+    return 3 * attention_scores(s, w, seqs) + extra
 
 
 def head_chunks(s: Shapes, w: Workload, seqs: int, n: int) -> float:
@@ -253,31 +307,43 @@ def head_chunks(s: Shapes, w: Workload, seqs: int, n: int) -> float:
 
 def activations(s: Shapes, w: Workload) -> float:
     """A micro-batch's forward + backward (tokens = micro_batch x ctx_len, sequences padded to ctx_len).
-    Without checkpointing every block's activations (and, materialised, its attention probabilities) are saved,
-    plus one block's worth for the backward's gradients; with it, each block's input and two blocks' worth (the
-    recomputed block and its gradients). Plus the head: the final hidden states and 4 lm_head chunks (logits,
-    log-softmax, their gradient, the entropy's exp)."""
+    Without checkpointing every block's activations are saved (materialised: with its [B, H, T, L] probabilities
+    and its own inverted [B, T, L] mask, `~mask` in bi_attention_rows), plus one block's worth for the backward's
+    gradients; with it, each block's input and two blocks' worth (the recomputed block and its gradients). Either
+    way the attention backward of one layer (`attention_backward`: one piece under `pieces`) and the pass's mask.
+    Plus the head: the final hidden states and 4 lm_head chunks (logits, log-softmax, their gradient, the
+    entropy's exp)."""
     tokens = w.micro_batch * w.ctx_len
     one = tokens * layer_activation(s, w)
-    scores = attention_scores(s, w, w.micro_batch)
+    back = attention_backward(s, w, w.micro_batch)
+    mask = attention_mask(w, w.micro_batch)
     if w.checkpointing:
-        trunk = s.layers * tokens * s.hidden * w.compute_bytes + 2 * one + 3 * scores
-    elif w.attention == "materialised":
-        trunk = s.layers * (one + scores) + one + 2 * scores
-    else:  # recompute: the backward rebuilds one layer's probabilities (scores, probs, gradient)
-        trunk = (s.layers + 1) * one + 3 * scores
-    return trunk + 2 * tokens * s.hidden * w.compute_bytes + head_chunks(s, w, w.micro_batch, 4)
+        trunk = s.layers * tokens * s.hidden * w.compute_bytes + 2 * one + back
+    elif w.attention == "materialised":  # each layer saved its probabilities; the top one's are among `back`
+        probs = attention_scores(s, w, w.micro_batch)
+        trunk = s.layers * (one + probs + mask) + one + back - probs
+    else:  # recompute / pieces / flash: no probabilities saved in the forward
+        trunk = (s.layers + 1) * one + back
+    return trunk + mask + 2 * tokens * s.hidden * w.compute_bytes + head_chunks(s, w, w.micro_batch, 4)
+
+
+def forward_attention(s: Shapes, w: Workload, seqs: int) -> float:
+    """A no-grad pass's attention at its peak, one layer at a time: on CPU (the invariant op, materialised or
+    pieces: without grad it runs whole) the masked scores and the probabilities, [seqs, Hq, T, L] each in the
+    compute dtype, and the inverted mask; the Triton and SDPA forwards are flash-style (none)."""
+    if w.attention == "flash" or w.device == "cuda":
+        return 0.0
+    whole = seqs * s.heads * w.ctx_len * w.ctx_len * w.compute_bytes
+    return 2 * whole + attention_mask(w, seqs)
 
 
 def scoring(s: Shapes, w: Workload, seqs: int) -> float:
-    """A no-grad pass over `seqs` sequences: one block's activations and its attention (scores, mask, probs)
-    at a time, the hidden states, and 2 lm_head chunks."""
+    """A no-grad pass over `seqs` sequences: one block's activations and its attention (`forward_attention`) at
+    a time, the pass's mask, the hidden states, and 2 lm_head chunks."""
     tokens = seqs * w.ctx_len
-    scores = (
-        attention_scores(s, w, seqs) if w.attention == "materialised" else 0.0
-    )  # the forward: flash-style
     hidden = 2 * tokens * s.hidden * w.compute_bytes
-    return tokens * layer_activation(s, w) + 3 * scores + hidden + head_chunks(s, w, seqs, 2)
+    attn = forward_attention(s, w, seqs) + attention_mask(w, seqs)
+    return tokens * layer_activation(s, w) + attn + hidden + head_chunks(s, w, seqs, 2)
 
 
 def gradients(s: Shapes, w: Workload, lay: Layout, world: int, reducing: bool) -> tuple[float, float]:
@@ -322,7 +388,7 @@ def preflight(s: Shapes, w: Workload, lay: Layout, world: int, seqs: int = 8) ->
     if lay.construct == "sharded":
         copies = 2 * s.block * c
         act = seqs * w.ctx_len * layer_activation(s, w)
-        act += 3 * attention_scores(s, w, seqs) if w.attention == "materialised" else 0.0
+        act += forward_attention(s, w, seqs) + attention_mask(w, seqs)
         act += head_chunks(s, w, seqs, 2)
         master = _shard(s.params * MASTER, world)
     else:
