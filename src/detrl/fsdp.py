@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from detrl.device import trim_host_memory
+
 _MESH = None
 
 
@@ -186,6 +188,7 @@ class Gather(torch.autograd.Function):
     def forward(ctx, book: Gathers, params: list, *shards: torch.Tensor):
         ctx.book, ctx.params = book, params
         full = _all_gather(shards, [p.shape for p in params])
+        trim_host_memory()  # see device.trim_host_memory: else each block's gather grows the host heap
         book.track(full)
         return tuple(full)
 
@@ -193,7 +196,9 @@ class Gather(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         if ctx.book.reducer is None:
             raise RuntimeError("a backward through a sharded model's gathers needs a reducer (fsdp.reducing)")
-        return None, None, *ctx.book.reducer.reduce_group(ctx.params, list(grads))
+        shards = ctx.book.reducer.reduce_group(ctx.params, list(grads))
+        trim_host_memory()  # the block's full gradient and the reduce's buffers
+        return None, None, *shards
 
 
 def _gather(model, params: list) -> list[torch.Tensor]:
