@@ -35,3 +35,31 @@ def test_a_row_variant_op_set_is_refused_before_step_0(tmp_path, monkeypatch):
     ):
         train(make_cfg(*TINY, "steps=1"), tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists()  # refused before any step
+
+
+def test_the_preflight_never_holds_a_passs_full_logits(monkeypatch):
+    """The trainer's rows are scored as the trainer scores them (the lm_head over row chunks): no call of the
+    preflight asks for logits over more than the prompt (DAPO's [8, 22,528, V] would be 102 GiB), and it still
+    passes and still finds the default ops' differences."""
+    import torch
+
+    from detrl.models import preflight
+    from detrl.models.build import build_model
+    from detrl.models.forward import fuse, rope_tables
+
+    cfg = make_cfg(*TINY, "model.init=random")
+    weights = fuse(build_model(cfg.model, seed=0), None)
+    ctx_len, prompt_len = 40, 3
+    rope = rope_tables(weights.config, ctx_len, torch.device("cpu"), torch.float32)
+    widest = []
+    real = preflight.forward
+
+    def spy(w, ids, *a, head=True, **kw):
+        if head:
+            widest.append(ids.shape[1])
+        return real(w, ids, *a, head=head, **kw)
+
+    monkeypatch.setattr(preflight, "forward", spy)
+    assert preflight.check(weights, ops_mod.BATCH_INVARIANT_OPS, ctx_len, rope, prompt_len=prompt_len) == []
+    assert widest and max(widest) <= prompt_len
+    assert preflight.check(weights, ops_mod.DEFAULT_OPS, ctx_len, rope, prompt_len=prompt_len)

@@ -34,6 +34,15 @@ def _logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return token_logprobs(logits, targets, 1.0)[0]
 
 
+def _trainer_logprobs(weights: Weights, ids: torch.Tensor, ops: Ops, ctx_len: int, rope) -> torch.Tensor:
+    """Every next token's logprob [B, L-1] as the trainer scores them (`sequence_logprobs`: the lm_head over row
+    chunks, never the [B, L, V] logits: 8 x 22,528 x 151,936 fp32 would be 102 GiB)."""
+    from detrl.models.logprobs import sequence_logprobs
+
+    mask = torch.ones(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
+    return sequence_logprobs(weights, ids, mask, ops, ctx_len, rope, 1.0)[0]
+
+
 class PreflightError(ConfigError):
     """determinism=on cannot be honoured here: the check found a row or phase that varies (one line)."""
 
@@ -112,9 +121,9 @@ def check(
     dev, vocab = weights.embed.device, weights.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (batch, ctx_len), generator=g).to(dev)
-    full = _logprobs_of(forward(weights, ids, ops, ctx_len, rope)[:, :-1], ids[:, 1:])  # [B, L-1]
+    full = _trainer_logprobs(weights, ids, ops, ctx_len, rope)  # [B, L-1]
     for rows in (slice(0, 1), slice(1, 1 + max(1, batch // 2 - 1))):  # alone, and in a batch of another size
-        part = _logprobs_of(forward(weights, ids[rows], ops, ctx_len, rope)[:, :-1], ids[rows, 1:])
+        part = _trainer_logprobs(weights, ids[rows], ops, ctx_len, rope)
         if not torch.equal(part, full[rows]):
             found.append(
                 f"rows {rows.start}..{rows.stop - 1}: trainer logprobs depend on the batch "
