@@ -292,15 +292,17 @@ def test_cli_recipe_fits_on_8_and_not_on_1(tmp_path, layout):
 
 
 def test_no_micro_batch_note_names_the_piece(tmp_path):
-    # dapo at determinism=on on the code layout: the preflight's [8, 22528] logits fit at no micro-batch; the note
-    # says what the attention holds now (one 1,024-row piece), not [micro_batch, heads, ctx, ctx]
+    # dapo at determinism=on on the code layout: at 141 GiB a smaller micro-batch fits (the advice says which);
+    # at 80 GiB none does, and the note says what the attention holds now (one 1,024-row piece), not
+    # [micro_batch, heads, ctx, ctx]
     rc, out = _cli(
-        tmp_path, "experiment=dapo_math_qwen3_8b", "--world-size", "8", "--device-memory-gib", "141"
-    )
-    assert rc == 1 and out["fits"] is False
+        tmp_path, "experiment=dapo_math_qwen3_8b", "micro_batch_size=8", "--world-size", "8",
+        "--device-memory-gib", "141",
+    )  # fmt: skip
+    assert rc == 1 and out["fits"] is False and "set micro_batch_size=2" in out["verdict"]
     rc, out = _cli(
         tmp_path, "experiment=dapo_math_qwen3_8b", "rollout.max_batch_size=1", "--world-size", "8",
-        "--device-memory-gib", "141",
+        "--device-memory-gib", "80",
     )  # fmt: skip
     assert rc == 1 and "largest part: activations" in out["verdict"]
     assert "[1, 32, 1024, 22528] scores at a time" in out["verdict"]
@@ -336,7 +338,7 @@ def test_train_refuses_what_cannot_fit_in_one_line(tmp_path):
 def test_advice_names_a_change_that_fits(tmp_path):
     import re
 
-    base = ("experiment=dapo_math_qwen3_8b", "rollout.max_batch_size=32", "activation_checkpointing=true")
+    base = ("experiment=dapo_math_qwen3_8b", "micro_batch_size=8", "rollout.max_batch_size=32")
     size = ("--layout", "fsdp2", "--world-size", "8", "--device-memory-gib", "141")
     rc, before = _cli(tmp_path, *base, *size)
     assert rc == 1 and "largest part: activations" in before["verdict"]

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -27,7 +29,18 @@ from detrl.plan.memory import (
     replace,
 )
 
-__all__ = ["GIB", "LAYOUTS", "Layout", "Plan", "PlanError", "Shapes", "Workload", "code_layout", "for_config"]
+__all__ = [
+    "GIB",
+    "LAYOUTS",
+    "Layout",
+    "Plan",
+    "PlanError",
+    "Shapes",
+    "Workload",
+    "code_layout",
+    "engine_layout",
+    "for_config",
+]
 
 
 class PlanError(ConfigError):
@@ -117,10 +130,20 @@ def context_bound(cfg: TrainConfig) -> int:
     return -(-(cfg.data.max_prompt_length + new) // 8) * 8
 
 
+def engine_layout(lay: Layout, cfg: TrainConfig) -> Layout:
+    """The code's KV layout is the config's: `rollout.scheduler=continuous` (the default) runs the paged engine,
+    whose pool holds `rollout.kv_pool_tokens` (or, automatic, at most `rollout.kv_pool_max_tokens`) and is
+    released while the trainer updates (cuda_paged.CudaPagedEngine.release); `static` keeps the bucketed caches."""
+    r = cfg.rollout
+    if r.scheduler != "continuous":
+        return dataclasses.replace(lay, kv="static")
+    return dataclasses.replace(lay, kv="paged", kv_cap_tokens=r.kv_pool_tokens or r.kv_pool_max_tokens)
+
+
 def for_config(
     cfg: TrainConfig, ctx_len: int, world: int, device: str, budget: float, layout: Layout | None = None
 ) -> tuple[Plan, Shapes, Workload, Layout]:
-    lay = layout or code_layout()
+    lay = layout or engine_layout(code_layout(), cfg)
     s, w = shapes_of(cfg.model), workload_of(cfg, ctx_len, device, lay)
     return plan(s, w, lay, world, budget), s, w, lay
 

@@ -381,19 +381,20 @@ def weight_sync(s: Shapes, lay: Layout, world: int) -> float:
 
 def preflight(s: Shapes, w: Workload, lay: Layout, world: int, seqs: int = 8) -> dict[str, float]:
     """Before step 0 (models/preflight.py): `full` construction holds the whole fp32 policy and reference on every
-    rank, fuses them (a cast copies all) and runs the forward over [8, ctx_len] with full logits (in the compute
-    dtype, their fp32 copy, the scaled copy, the log-softmax); `sharded`: the rank's shards and one block's check
-    (its weights, its activations, the head in chunks)."""
+    rank, fuses them (a cast copies all) and scores [8, ctx_len] as the trainer does (`scoring`: the lm_head in
+    row chunks, no [8, ctx_len, V] logits), then prefills and decodes the 8 rows through a [8, ctx_len] KV cache
+    of every layer; `sharded`: the rank's shards and one block's check (its weights, its activations, the head in
+    chunks, one layer's cache)."""
     c = w.compute_bytes
     if lay.construct == "sharded":
         copies = 2 * s.block * c
         act = seqs * w.ctx_len * layer_activation(s, w)
         act += forward_attention(s, w, seqs) + attention_mask(w, seqs)
-        act += head_chunks(s, w, seqs, 2)
+        act += head_chunks(s, w, seqs, 2) + seqs * w.ctx_len * s.kv_per_token(c) / s.layers
         master = _shard(s.params * MASTER, world)
     else:
         copies = (s.params if c != MASTER else s.fused_copies) * c
-        act = scoring(s, w, seqs) + seqs * w.ctx_len * s.vocab * (c + (8 if c == MASTER else 12))
+        act = scoring(s, w, seqs) + seqs * w.ctx_len * s.kv_per_token(c)
         master = s.params * MASTER
     return {
         "runtime": RUNTIME[w.device],
