@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -185,10 +186,16 @@ def _worker(out: Path) -> None:
     distributed.init()
     res = {name: _check_loaded(out / "ckpts" / name) for name in CKPTS}
     (out / f"loaded-{distributed.rank()}.json").write_text(json.dumps(res))
-    for name, extra in TRAINED.items():
-        run = out / f"two-{name}"
-        args = _train_args(run, f"model.path={out / 'ckpts' / name}", *extra)
-        train(make_cfg(*[o for o in args if not o.startswith("run_dir=")]), run)
+    def refuse(*args, **kwargs):
+        raise AssertionError("a full model was built under torchrun")
+
+    # the whole model is never built on a rank, policy or reference: the full build (build_model ->
+    # from_pretrained) refuses
+    with mock.patch("detrl.builder.build_model", refuse):
+        for name, extra in TRAINED.items():
+            run = out / f"two-{name}"
+            args = _train_args(run, f"model.path={out / 'ckpts' / name}", *extra, "algo.use_kl_loss=true")
+            train(make_cfg(*[o for o in args if not o.startswith("run_dir=")]), run)
     distributed.close()
 
 
@@ -198,7 +205,7 @@ def two_ranks(tmp_path_factory) -> Path:
     write_checkpoints(out / "ckpts")
     _torchrun(__file__, "worker", str(out))
     for name, extra in TRAINED.items():
-        _one_process(out / f"one-{name}", f"model.path={out / 'ckpts' / name}", *extra)
+        _one_process(out / f"one-{name}", f"model.path={out / 'ckpts' / name}", *extra, "algo.use_kl_loss=true")
     return out
 
 
