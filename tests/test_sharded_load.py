@@ -72,7 +72,9 @@ def test_each_ranks_rows_equal_from_pretrained_chunks_and_are_all_it_reads(ckpts
             assert reader.read - before == chunk.numel(), (name, n, rank)  # its rows, nothing else
         assert reader.read < sum(p.numel() for p in want.values())  # about half of the file
     inv = rotary_buffers(meta.model.rotary_emb)
-    assert torch.equal(inv, ref.model.rotary_emb.inv_freq) and torch.equal(inv, ref.model.rotary_emb.original_inv_freq)
+    assert torch.equal(inv, ref.model.rotary_emb.inv_freq) and torch.equal(
+        inv, ref.model.rotary_emb.original_inv_freq
+    )
     if name == "dense_tied_bf16":
         assert "lm_head.weight" not in Reader(ckpts[name]).files  # absent from the file: the embedding's
         assert meta.lm_head.weight is meta.model.embed_tokens.weight
@@ -100,12 +102,16 @@ def test_a_missing_or_misshapen_tensor_is_one_line_naming_it_and_its_file(ckpts,
     from detrl.models.sharded_load import Reader, ShardLoadError, meta_model, shard_of, tensor_files
 
     shape = meta_model(ckpts["dense"]).get_parameter("model.norm.weight").shape
-    gone = _rewrite(ckpts["dense"], tmp_path / "gone", lambda d: {k: v for k, v in d.items() if k != "model.norm.weight"})
+    gone = _rewrite(
+        ckpts["dense"], tmp_path / "gone", lambda d: {k: v for k, v in d.items() if k != "model.norm.weight"}
+    )
     with pytest.raises(ShardLoadError, match=r"model\.norm\.weight.*gone/model\.safetensors") as e:
         shard_of(Reader(gone), "model.norm.weight", shape, 0, 2)
     assert "\n" not in str(e.value)
     bad = _rewrite(ckpts["dense"], tmp_path / "bad", lambda d: {**d, "model.norm.weight": torch.zeros(7)})
-    with pytest.raises(ShardLoadError, match=r"model\.norm\.weight.*bad/model\.safetensors.*\[7\].*\[128\]") as e:
+    with pytest.raises(
+        ShardLoadError, match=r"model\.norm\.weight.*bad/model\.safetensors.*\[7\].*\[128\]"
+    ) as e:
         shard_of(Reader(bad), "model.norm.weight", shape, 1, 2)
     assert "\n" not in str(e.value)
     expert = "model.layers.1.mlp.experts.3.up_proj.weight"
@@ -157,7 +163,9 @@ def _check_loaded(path: Path) -> dict:
     )
     sampling, ctx = SamplingParams(1.0, 1.0, 8, (2,)), 32
     emb, emb_ref = (EmbeddedEngine(m, BATCH_INVARIANT_OPS, ctx, sampling, seed=0) for m in (model, ref))
-    pag, pag_ref = (CudaPagedEngine(m, BATCH_INVARIANT_OPS, ctx, sampling, seed=0, device="cpu") for m in (model, ref))
+    pag, pag_ref = (
+        CudaPagedEngine(m, BATCH_INVARIANT_OPS, ctx, sampling, seed=0, device="cpu") for m in (model, ref)
+    )
     for e in (emb, pag):
         distributed.sync_weights(model, e)
     one = first_block(model, None)
@@ -171,7 +179,8 @@ def _check_loaded(path: Path) -> dict:
         "preflight_shapes": shapes == {k: v.shape for k, v in gemm_shapes(fuse(ref)).items()},
         "preflight_passes": check(one, BATCH_INVARIANT_OPS, ctx, rope_tables(ref.config, ctx)) == [],
         "first_block": all(
-            torch.equal(a, b) for a, b in zip(one.layers[0].__dict__.values(), fuse(ref).layers[0].__dict__.values())
+            torch.equal(a, b)
+            for a, b in zip(one.layers[0].__dict__.values(), fuse(ref).layers[0].__dict__.values())
             if a is not None
         ),
     }
@@ -186,6 +195,7 @@ def _worker(out: Path) -> None:
     distributed.init()
     res = {name: _check_loaded(out / "ckpts" / name) for name in CKPTS}
     (out / f"loaded-{distributed.rank()}.json").write_text(json.dumps(res))
+
     def refuse(*args, **kwargs):
         raise AssertionError("a full model was built under torchrun")
 
@@ -205,7 +215,9 @@ def two_ranks(tmp_path_factory) -> Path:
     write_checkpoints(out / "ckpts")
     _torchrun(__file__, "worker", str(out))
     for name, extra in TRAINED.items():
-        _one_process(out / f"one-{name}", f"model.path={out / 'ckpts' / name}", *extra, "algo.use_kl_loss=true")
+        _one_process(
+            out / f"one-{name}", f"model.path={out / 'ckpts' / name}", *extra, "algo.use_kl_loss=true"
+        )
     return out
 
 
@@ -222,7 +234,9 @@ def test_two_ranks_from_a_checkpoint_give_the_one_rank_fingerprints(two_ranks, n
     assert len(two) == 2 and two == one
     assert two[0][1] != two[1][1]  # fp/params moved: it trained
     numerics = json.loads((two_ranks / f"two-{name}" / "numerics.json").read_text())
-    assert numerics["preflight"].startswith("passed") and numerics["preflight_model"].startswith("1 of 2 layers")
+    assert numerics["preflight"].startswith("passed") and numerics["preflight_model"].startswith(
+        "1 of 2 layers"
+    )
     assert "preflight_model" not in json.loads((two_ranks / f"one-{name}" / "numerics.json").read_text())
 
 

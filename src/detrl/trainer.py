@@ -180,7 +180,8 @@ def prepare(cfg: TrainConfig, run_dir: Path) -> tuple[dict, int, int, Path | Non
 def build_models(cfg: TrainConfig):
     """Seed and build (rank 0 first: it builds and caches the warm start the others then load).
     -> (det, tokenizer, task, runtime, policy, sampling)."""
-    if sharded_build(cfg):  # the FSDP2 mesh before the ranks part (its creation may be collective on CUDA hosts)
+    # model.path under torchrun: the FSDP2 mesh before the ranks part (its creation may be collective on CUDA)
+    if sharded_build(cfg):
         fsdp.mesh(resolve_device(cfg.device))
     with distributed.main_first():
         det, tokenizer, task, rt, model, sampling = build(cfg)

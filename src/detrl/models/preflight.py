@@ -304,14 +304,18 @@ def numerics_contract(det, rt, model, rope) -> dict:
     if not det.invariant_kernels:
         return {**contract, "preflight": "not run (determinism.kernels=default)"}
     with torch.no_grad():
-        weights = fuse(model, rt.ops.dtype) if not fsdp.is_sharded(model) else first_block(model, rt.ops.dtype)
+        weights = (
+            fuse(model, rt.ops.dtype) if not fsdp.is_sharded(model) else first_block(model, rt.ops.dtype)
+        )
     require(weights, rt.ops, rt.ctx_len, rope)
     control = OP_SETS[(rt.device.type, False)]
     if rt.ops.dtype is not None:
         control = dataclasses.replace(control, dtype=rt.ops.dtype)
     found = negative_control(weights, control, rt.ctx_len, rope)
     if fsdp.is_sharded(model):
-        contract["preflight_model"] = f"1 of {model.config.num_hidden_layers} layers (sharded: block 0 gathered)"
+        contract["preflight_model"] = (
+            f"1 of {model.config.num_hidden_layers} layers (sharded: block 0 gathered)"
+        )
     return {
         **contract,
         "preflight": "passed: rows and prefill/decode phases bitwise equal",

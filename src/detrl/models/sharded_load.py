@@ -102,7 +102,9 @@ def expert_rows(reader: Reader, base: str, kind: str, lo: int, hi: int, shape) -
     else:
         half = (shape[1] // 2, shape[2])
         parts = [
-            torch.cat([reader.rows(f"{base}.{e}.{w}.weight", 0, half[0], half) for w in ("gate_proj", "up_proj")])
+            torch.cat(
+                [reader.rows(f"{base}.{e}.{w}.weight", 0, half[0], half) for w in ("gate_proj", "up_proj")]
+            )
             for e in range(lo, hi)
         ]
     return torch.stack(parts) if parts else torch.empty(0, *shape[1:])

@@ -25,7 +25,16 @@ from collections.abc import Iterable
 import torch
 
 from detrl import fsdp
-from detrl.models.forward import KVCache, fuse, fused_meta, layer_post, layer_pre, log_probs, rope_tables, write_slots
+from detrl.models.forward import (
+    KVCache,
+    fuse,
+    fused_meta,
+    layer_post,
+    layer_pre,
+    log_probs,
+    rope_tables,
+    write_slots,
+)
 from detrl.models.forward import forward as model_forward
 from detrl.models.ops import Ops, moe_dispatch
 from detrl.rollout.base import Request, Result, SamplingParams, cut_results
@@ -87,7 +96,8 @@ class CudaEngine:
         with torch.device("meta"):  # a weightless twin: a state dict is fused through it, on its own device
             self._twin = _unsharded_class(model)(model.config)
         with torch.no_grad():
-            if fsdp.is_sharded(model):  # torchrun: empty, filled by the caller's streaming weight sync (pairs)
+            # torchrun: a sharded model gives shapes only; empty, filled by the caller's streaming sync (pairs)
+            if fsdp.is_sharded(model):
                 self.weights = fused_meta(model, dtype).map(
                     lambda t: torch.empty(t.shape, dtype=dtype, device=self.device)
                 )
@@ -118,7 +128,9 @@ class CudaEngine:
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     # --- weights
-    def update_weights(self, state_dict: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(
+        self, state_dict: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
         """Copy the trainer's weights (any device, any dtype) into the engine's, on the device. (name, tensor)
         pairs (a sharded model's streaming sync): each copied into its part of the fused weights in place."""
         if not isinstance(state_dict, dict):
