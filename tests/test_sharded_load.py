@@ -87,6 +87,17 @@ def test_each_ranks_rows_equal_from_pretrained_chunks_and_are_all_it_reads(ckpts
         assert reader.read == 2 * shape[1] * shape[2] and len(reader._open) == 1
 
 
+def test_the_meta_model_takes_model_attn_implementation_as_from_pretrained_does(ckpts):
+    from transformers import AutoModelForCausalLM
+
+    from detrl.models.sharded_load import meta_model
+
+    path = str(ckpts["dense"])
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    meta = meta_model(path, "eager")
+    assert meta.config._attn_implementation == "eager" and meta.config.to_dict() == ref.config.to_dict()
+
+
 def _rewrite(src: Path, dst: Path, edit) -> Path:
     """A copy of a one-file checkpoint with its tensors passed through `edit(dict) -> dict`."""
     import shutil
