@@ -46,8 +46,8 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
     if index.is_file():
         return {k: p / v for k, v in json.loads(index.read_text())["weight_map"].items()}
     raise ShardLoadError(
-        f"model.path={str(path)!r}: sharded loading reads safetensors; found neither model.safetensors "
-        "nor model.safetensors.index.json (choices: those two)"
+        f"model.path={str(path)!r}: a sharded load (torchrun) reads safetensors; found neither "
+        "model.safetensors nor model.safetensors.index.json (re-save with save_pretrained, or run on one rank)"
     )
 
 
