@@ -192,7 +192,7 @@ def build_models(cfg: TrainConfig):
 def reference(cfg: TrainConfig, tokenizer, task, rt, model, ordered: bool) -> torch.nn.Module | None:
     """The frozen reference when a KL term needs it (else None). One process: a copy of the policy. Sharded (the
     policy already is): built again from the same source (the same bits) and sharded in turn, so that no rank
-    holds two full models at once."""
+    holds two full models at once; from model.path, sharded from the file as the policy was (never full)."""
     if not (cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward):
         return None
     if not distributed.is_sharded(model):

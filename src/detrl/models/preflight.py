@@ -15,7 +15,8 @@ with the default op set and must find one (else the check proves nothing on this
 
 `numerics_contract(...)` is what `train()` runs before step 0: under `determinism=on` it requires the checks
 to pass with the run's op set, device, dtype, ctx_len and model (one line naming what varies, else the run does
-not start; an FSDP2-sharded model: a 1-layer model of its config on its root group and block 0, `first_block`), runs the negative control with the device's default op set, and returns the run's "numerics
+not start; an FSDP2-sharded model is checked as a 1-layer model of its config on its gathered root group and block
+0, `first_block`), runs the negative control with the device's default op set, and returns the run's "numerics
 contract" (the result, the op sets, the device, versions and environment), written to <run_dir>/numerics.json.
 """
 
