@@ -10,6 +10,7 @@ One torchrun launch (this file's `worker`, ~30 s on 2 cores); the rest runs in t
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from unittest import mock
@@ -212,11 +213,21 @@ def _worker(out: Path) -> None:
 
     # the whole model is never built on a rank, policy or reference: the full build (build_model ->
     # from_pretrained) refuses
+    def run(name: str, run_dir: Path, *more: str) -> None:
+        args = _train_args(run_dir, f"model.path={out / 'ckpts' / name}", *TRAINED[name], *more)
+        train(make_cfg(*[o for o in args if not o.startswith("run_dir=")], "algo.use_kl_loss=true"), run_dir)
+
     with mock.patch("detrl.builder.build_model", refuse):
-        for name, extra in TRAINED.items():
-            run = out / f"two-{name}"
-            args = _train_args(run, f"model.path={out / 'ckpts' / name}", *extra, "algo.use_kl_loss=true")
-            train(make_cfg(*[o for o in args if not o.startswith("run_dir=")]), run)
+        run("dense_tied_bf16", out / "two-dense_tied_bf16", "checkpoint.every=1")
+        run("moe", out / "two-moe")
+        if (
+            distributed.is_main()
+        ):  # resumed from the dense run's step-1 checkpoint into a model sharded from the file
+            shutil.copytree(out / "two-dense_tied_bf16", out / "resumed")
+            shutil.rmtree(out / "resumed" / "checkpoints" / "step-000002")
+            (out / "resumed" / "summary.json").unlink()
+        distributed.barrier()
+        run("dense_tied_bf16", out / "resumed", "checkpoint.every=1", "resume=auto")
     distributed.close()
 
 
@@ -230,6 +241,15 @@ def two_ranks(tmp_path_factory) -> Path:
             out / f"one-{name}", f"model.path={out / 'ckpts' / name}", *extra, "algo.use_kl_loss=true"
         )
     return out
+
+
+def test_a_two_rank_run_from_a_checkpoint_resumes_exactly(two_ranks):
+    from tests.conftest import read_metrics
+
+    assert _fps(two_ranks / "resumed") == _fps(two_ranks / "two-dense_tied_bf16")
+    resumed, first = read_metrics(two_ranks / "resumed"), read_metrics(two_ranks / "two-dense_tied_bf16")
+    assert resumed[0]["timing_s/step"] == first[0]["timing_s/step"]  # step 1 kept, not run again
+    assert resumed[1]["timing_s/step"] != first[1]["timing_s/step"]  # step 2 ran after the restore
 
 
 def test_two_ranks_load_their_shards_engines_and_preflight_from_the_file(two_ranks):
