@@ -19,8 +19,27 @@ from detrl.runtime import context_length
 from detrl.warmstart import load_or_build
 
 
-def load_policy(cfg: TrainConfig, tokenizer, task, ctx_len: int) -> torch.nn.Module:
-    """model.path's weights (float32), the cached warm start (arithmetic), or a fresh model from the seed."""
+def sharded_build(cfg: TrainConfig) -> bool:
+    """Whether the policy (and reference) are built sharded from the file (`models.sharded_load`): model.path
+    under torchrun with W > 1. Random-init and warm-start models (no model.path: small ones) are still built in
+    full on every rank, then sharded by the trainer; a one-rank run builds in full as ever."""
+    return cfg.model.path is not None and distributed.world_size() > 1
+
+
+def load_policy(
+    cfg: TrainConfig, tokenizer, task, ctx_len: int, device: torch.device | None = None, ordered: bool = True
+) -> torch.nn.Module:
+    """model.path's weights (float32), the cached warm start (arithmetic), or a fresh model from the seed. Under
+    `sharded_build`: FSDP2-sharded on `device`, each rank's rows read from the file (collective-free), in eval
+    mode as from_pretrained leaves a model; else a full model on CPU."""
+    if sharded_build(cfg):
+        from detrl.models.sharded_load import load_sharded
+
+        with torch.random.fork_rng(devices=[]):  # draws nothing from the run's stream
+            return load_sharded(
+                cfg.model.path, device or torch.device("cpu"), ordered,
+                attn_implementation=cfg.model.attn_implementation,
+            )  # fmt: skip
     if cfg.model.path is None and cfg.model.init == "warmstart":
         device = resolve_device(cfg.device).type
         return load_or_build(cfg.model, cfg.data, cfg.warmstart, tokenizer, task, ctx_len, device)
@@ -49,7 +68,10 @@ def build(cfg: TrainConfig):
     rt = runtime.make(det, device, dtype, cfg.activation_checkpointing, ctx_len)
     # the memory plan, before the model exists: a run that cannot fit is refused in one line
     plan.require_fits(cfg, ctx_len, distributed.world_size(), rt.device)
-    model = load_policy(cfg, tokenizer, task, ctx_len).to(rt.device)  # float32 master weights
+    # float32 master weights (sharded from the file under torchrun with model.path; else full)
+    model = load_policy(cfg, tokenizer, task, ctx_len, rt.device, det.ordered_reduce)
+    if not distributed.is_sharded(model):  # (a sharded one is on rt.device already)
+        model = model.to(rt.device)
     if model.config.vocab_size < len(tokenizer):
         raise ConfigError(
             f"model.vocab_size={model.config.vocab_size} < the tokenizer's {len(tokenizer)} tokens"
@@ -114,4 +136,7 @@ def make_engine(cfg: TrainConfig, model, det, rt, sampling: SamplingParams, toke
         )
     from detrl.rollout.registry import build_engine
 
-    return build_engine("embedded", rt.device.type, model, det, rt, sampling, cfg.seed, r)
+    engine = build_engine("embedded", rt.device.type, model, det, rt, sampling, cfg.seed, r)
+    if distributed.is_sharded(model):  # built empty from the shapes: filled one gathered parameter at a time
+        distributed.sync_weights(model, engine)
+    return engine

@@ -427,7 +427,4 @@ class DataParallel:
         return (hi - lo) * math.prod(self.sharded[i].shape[1:])
 
 
-def _shard_rows(d0: int, world: int) -> list[tuple[int, int]]:
-    """[lo, hi) rows of each rank's dim-0 shard (torch.chunk's cut, as FSDP2's Shard(0); trailing ranks empty)."""
-    c = -(-d0 // world)
-    return [(min(r * c, d0), min((r + 1) * c, d0)) for r in range(world)]
+_shard_rows = fsdp.shard_rows  # [lo, hi) rows of each rank's dim-0 shard

@@ -56,20 +56,33 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(getattr(inner, "layers", []))
 
 
-def shard(model: torch.nn.Module, compute: torch.dtype | None = None, ordered: bool = True) -> None:
+def shard(
+    model: torch.nn.Module,
+    compute: torch.dtype | None = None,
+    ordered: bool = True,
+    device: torch.device | str | None = None,
+) -> None:
     """`fully_shard` on each block, then the root (in place): torchtitan's parallelize order. detrl's functional
     forward runs no module hooks: it gathers each group itself (`Gather`, in the shards' fp32); the modules' own
-    forward (layer digests) gathers and frees one block at a time through FSDP2's hooks (in `param_dtype`)."""
+    forward (layer digests) gathers and frees one block at a time through FSDP2's hooks (in `param_dtype`).
+    device: the run's device, for a model on the meta device (sharded before `to_empty`); None: the model's."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     p = next(model.parameters())
+    device = p.device if device is None else torch.device(device)
     mp = MixedPrecisionPolicy(
-        param_dtype=param_dtype(p.device.type, compute, ordered, p.dtype), reduce_dtype=torch.float32
+        param_dtype=param_dtype(device.type, compute, ordered, p.dtype), reduce_dtype=torch.float32
     )
-    m = mesh(p.device)
+    m = mesh(device)
     for block in blocks(model):
         fully_shard(block, mesh=m, mp_policy=mp)
     fully_shard(model, mesh=m, mp_policy=mp)
+
+
+def shard_rows(d0: int, world: int) -> list[tuple[int, int]]:
+    """[lo, hi) rows of each rank's dim-0 shard (torch.chunk's cut, as FSDP2's Shard(0); trailing ranks empty)."""
+    c = -(-d0 // world)
+    return [(min(r * c, d0), min((r + 1) * c, d0)) for r in range(world)]
 
 
 def is_sharded(model) -> bool:

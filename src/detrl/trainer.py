@@ -20,16 +20,16 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from detrl import actor, checkpoint, distributed, guards
+from detrl import actor, checkpoint, distributed, fsdp, guards
 from detrl import determinism as det_mod
 from detrl.actor import ActorSpec
 from detrl.algos import lr_ratio, warmup_steps
 from detrl.algos.advantages import StepAdvantages
-from detrl.builder import build, load_policy, make_engine
+from detrl.builder import build, load_policy, make_engine, sharded_build
 from detrl.collect import GroupSource, StepBatch, collect, collect_partial
 from detrl.config import TrainConfig
 from detrl.determinism import Determinism
-from detrl.device import to_device
+from detrl.device import resolve_device, to_device
 from detrl.evaluate import Evaluator
 from detrl.fingerprint import rollout_fingerprints
 from detrl.loss_scale import LossScaler
@@ -180,6 +180,9 @@ def prepare(cfg: TrainConfig, run_dir: Path) -> tuple[dict, int, int, Path | Non
 def build_models(cfg: TrainConfig):
     """Seed and build (rank 0 first: it builds and caches the warm start the others then load).
     -> (det, tokenizer, task, runtime, policy, sampling)."""
+    # model.path under torchrun: the FSDP2 mesh before the ranks part (its creation may be collective on CUDA)
+    if sharded_build(cfg):
+        fsdp.mesh(resolve_device(cfg.device))
     with distributed.main_first():
         det, tokenizer, task, rt, model, sampling = build(cfg)
     model.train()
@@ -189,11 +192,13 @@ def build_models(cfg: TrainConfig):
 def reference(cfg: TrainConfig, tokenizer, task, rt, model, ordered: bool) -> torch.nn.Module | None:
     """The frozen reference when a KL term needs it (else None). One process: a copy of the policy. Sharded (the
     policy already is): built again from the same source (the same bits) and sharded in turn, so that no rank
-    holds two full models at once."""
+    holds two full models at once; from model.path, sharded from the file as the policy was (never full)."""
     if not (cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward):
         return None
     if not distributed.is_sharded(model):
         return copy.deepcopy(model).eval().requires_grad_(False)
+    if sharded_build(cfg):  # sharded from the file as the policy was: never a full model on a rank
+        return load_policy(cfg, tokenizer, task, rt.ctx_len, rt.device, ordered).eval().requires_grad_(False)
     with torch.random.fork_rng(devices=[]):  # a load draws nothing from the run's stream (as a copy does not)
         ref = load_policy(cfg, tokenizer, task, rt.ctx_len).to(rt.device).eval().requires_grad_(False)
     distributed.shard(ref, ordered=ordered)
@@ -220,8 +225,10 @@ def start(cfg: TrainConfig, run_dir: Path, group: str) -> Run:
     engine = make_engine(cfg, model, det, rt, sampling, tokenizer, run_dir)
     if world > 1:  # FSDP2 over the trainer's models; this rank's engine serves its share of each generate
         # the update's passes gather each block themselves in the shards' fp32 (fsdp.Gather) and reduce its
-        # gradient in its backward; compute= (bf16 gathers through FSDP2's hooks) is not used by them
-        distributed.shard(model, ordered=det.ordered_reduce)
+        # gradient in its backward; compute= (bf16 gathers through FSDP2's hooks) is not used by them.
+        # model.path: built sharded already (builder.sharded_build); random init / warm start: sharded here
+        if not distributed.is_sharded(model):
+            distributed.shard(model, ordered=det.ordered_reduce)
         engine = RankEngine(engine, det)
     ref_model = reference(cfg, tokenizer, task, rt, model, det.ordered_reduce)
     dp = distributed.DataParallel(model, ordered=det.ordered_reduce)

@@ -149,6 +149,21 @@ def fuse(model, dtype: torch.dtype | None = None) -> Weights:
     return w.map(lambda t: t.to(dtype))
 
 
+def fused_meta(model, dtype: torch.dtype | None = None) -> Weights:
+    """The fused weights' shapes as meta tensors in `dtype` (None: the parameters'): no data read, no gather.
+    What an engine allocates from an FSDP2-sharded model (each parameter's global shape) before a weight sync
+    (`distributed.sync_weights`) fills it; on a plain model, `fuse(model, dtype)`'s shapes."""
+
+    def meta(p: torch.Tensor) -> torch.Tensor:
+        return torch.empty(p.shape, dtype=dtype or p.dtype, device="meta")
+
+    c, inner = model.config, model.model
+    layers = [fuse_layer(b, c, {n: meta(p) for n, p in b.named_parameters()}) for b in inner.layers]
+    return Weights(
+        meta(inner.embed_tokens.weight), layers, meta(inner.norm.weight), meta(model.lm_head.weight), c
+    )
+
+
 @dataclass
 class KVCache:
     k: list[torch.Tensor]  # per layer [B, Hkv, ctx_len, D]

@@ -15,7 +15,8 @@ with the default op set and must find one (else the check proves nothing on this
 
 `numerics_contract(...)` is what `train()` runs before step 0: under `determinism=on` it requires the checks
 to pass with the run's op set, device, dtype, ctx_len and model (one line naming what varies, else the run does
-not start), runs the negative control with the device's default op set, and returns the run's "numerics
+not start; an FSDP2-sharded model is checked as a 1-layer model of its config on its gathered root group and block
+0, `first_block`), runs the negative control with the device's default op set, and returns the run's "numerics
 contract" (the result, the op sets, the device, versions and environment), written to <run_dir>/numerics.json.
 """
 
@@ -25,6 +26,7 @@ import os
 
 import torch
 
+from detrl import fsdp
 from detrl.config import ConfigError
 from detrl.models.forward import KVCache, Weights, forward, fuse, token_logprobs
 from detrl.models.ops import Ops
@@ -284,6 +286,20 @@ def _contract(rt) -> dict:
     return contract
 
 
+def first_block(model, dtype: torch.dtype | None) -> Weights:
+    """An FSDP2-sharded model as the 1-layer model of its config that the checks run on: the root group (embedding,
+    final norm, lm_head) and block 0, gathered (collective), fused in `dtype`. Every layer has block 0's gemm
+    shapes and ops, so the checks cover what the whole model runs, on the real weights, without it materialised."""
+    import copy
+
+    w = fuse(model, dtype)
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:1]
+    return Weights(w.embed, [w.layers[0].load()], w.norm, w.lm_head, config)
+
+
 def numerics_contract(det, rt, model, rope) -> dict:
     """Before step 0. determinism.kernels=batch_invariant: `require` with the run's ops (raises PreflightError) and
     the negative control with the device's default ops; off: nothing is checked. -> the run's numerics contract
@@ -298,12 +314,18 @@ def numerics_contract(det, rt, model, rope) -> dict:
     if not det.invariant_kernels:
         return {**contract, "preflight": "not run (determinism.kernels=default)"}
     with torch.no_grad():
-        weights = fuse(model, rt.ops.dtype)
+        weights = (
+            fuse(model, rt.ops.dtype) if not fsdp.is_sharded(model) else first_block(model, rt.ops.dtype)
+        )
     require(weights, rt.ops, rt.ctx_len, rope)
     control = OP_SETS[(rt.device.type, False)]
     if rt.ops.dtype is not None:
         control = dataclasses.replace(control, dtype=rt.ops.dtype)
     found = negative_control(weights, control, rt.ctx_len, rope)
+    if fsdp.is_sharded(model):
+        contract["preflight_model"] = (
+            f"1 of {model.config.num_hidden_layers} layers (sharded: block 0 gathered)"
+        )
     return {
         **contract,
         "preflight": "passed: rows and prefill/decode phases bitwise equal",

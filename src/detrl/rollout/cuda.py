@@ -20,15 +20,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterable
 
 import torch
 
-from detrl.models.forward import KVCache, fuse, layer_post, layer_pre, log_probs, rope_tables, write_slots
+from detrl import fsdp
+from detrl.models.forward import (
+    KVCache,
+    fuse,
+    fused_meta,
+    layer_post,
+    layer_pre,
+    log_probs,
+    rope_tables,
+    write_slots,
+)
 from detrl.models.forward import forward as model_forward
 from detrl.models.ops import Ops, moe_dispatch
 from detrl.rollout.base import Request, Result, SamplingParams, cut_results
 from detrl.rollout.batching import check_fits, fixed_batches
 from detrl.rollout.sampling import gumbel, hashed_gumbel, sample, seed_key
+from detrl.rollout.weight_views import copy_into
 
 
 def _bucket(n: int) -> int:
@@ -53,6 +65,13 @@ class _Slot:
     graphs: dict
 
 
+def _unsharded_class(model) -> type:
+    """The model's own class (FSDP2 swaps a sharded module's class for an FSDP subclass of it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
 class CudaEngine:
     def __init__(
         self,
@@ -75,9 +94,15 @@ class CudaEngine:
         self.max_batch_size, self.fixed_routing, self.sync_every = max_batch_size, fixed_routing, sync_every
         self.config = model.config
         with torch.device("meta"):  # a weightless twin: a state dict is fused through it, on its own device
-            self._twin = type(model)(model.config)
+            self._twin = _unsharded_class(model)(model.config)
         with torch.no_grad():
-            self.weights = fuse(model, dtype).map(lambda t: t.detach().to(self.device, dtype).clone())
+            # torchrun: a sharded model gives shapes only; empty, filled by the caller's streaming sync (pairs)
+            if fsdp.is_sharded(model):
+                self.weights = fused_meta(model, dtype).map(
+                    lambda t: torch.empty(t.shape, dtype=dtype, device=self.device)
+                )
+            else:
+                self.weights = fuse(model, dtype).map(lambda t: t.detach().to(self.device, dtype).clone())
         self.rope = rope_tables(self.config, ctx_len, self.device, dtype)
         # graphs need a dispatch without host syncs (the per-expert loop syncs: MoE on it runs eagerly)
         moe = getattr(self.config, "num_experts", None)
@@ -103,8 +128,14 @@ class CudaEngine:
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     # --- weights
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy the trainer's weights (any device, any dtype) into the engine's, on the device."""
+    def update_weights(
+        self, state_dict: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Copy the trainer's weights (any device, any dtype) into the engine's, on the device. (name, tensor)
+        pairs (a sharded model's streaming sync): each copied into its part of the fused weights in place."""
+        if not isinstance(state_dict, dict):
+            copy_into(self.weights, state_dict)
+            return
         with torch.no_grad():
             self._twin.load_state_dict(state_dict, assign=True, strict=False)
             self.weights.copy_(fuse(self._twin))
