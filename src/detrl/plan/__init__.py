@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from pathlib import Path
 
@@ -130,20 +129,24 @@ def context_bound(cfg: TrainConfig) -> int:
     return -(-(cfg.data.max_prompt_length + new) // 8) * 8
 
 
-def engine_layout(lay: Layout, cfg: TrainConfig) -> Layout:
-    """The code's KV layout is the config's: `rollout.scheduler=continuous` (the default) runs the paged engine,
-    whose pool holds `rollout.kv_pool_tokens` (or, automatic, at most `rollout.kv_pool_max_tokens`) and is
-    released while the trainer updates (cuda_paged.CudaPagedEngine.release); `static` keeps the bucketed caches."""
+def config_layout(lay: Layout, cfg: TrainConfig, world: int) -> Layout:
+    """What the code does for this config: `rollout.scheduler=continuous` (the default) runs the paged engine, whose
+    pool holds `rollout.kv_pool_tokens` (or, automatic, at most `rollout.kv_pool_max_tokens`) and is released while
+    the trainer updates (cuda_paged.CudaPagedEngine.release), `static` the bucketed caches; a `model.path` run on
+    several ranks is built sharded from the file (models/sharded_load.py; the preflight on one block), a
+    random-init or warm-start one whole on every rank, then sharded."""
     r = cfg.rollout
-    if r.scheduler != "continuous":
-        return dataclasses.replace(lay, kv="static")
-    return dataclasses.replace(lay, kv="paged", kv_cap_tokens=r.kv_pool_tokens or r.kv_pool_max_tokens)
+    kv = {"kv": "static"}
+    if r.scheduler == "continuous":
+        kv = {"kv": "paged", "kv_cap_tokens": r.kv_pool_tokens or r.kv_pool_max_tokens}
+    construct = "sharded" if cfg.model.path is not None and world > 1 else "full"
+    return dataclasses.replace(lay, construct=construct, **kv)
 
 
 def for_config(
     cfg: TrainConfig, ctx_len: int, world: int, device: str, budget: float, layout: Layout | None = None
 ) -> tuple[Plan, Shapes, Workload, Layout]:
-    lay = layout or engine_layout(code_layout(), cfg)
+    lay = layout or config_layout(code_layout(), cfg, world)
     s, w = shapes_of(cfg.model), workload_of(cfg, ctx_len, device, lay)
     return plan(s, w, lay, world, budget), s, w, lay
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from detrl.config import ConfigError
-from detrl.plan import GIB, LAYOUTS, code_layout, context_bound, engine_layout, for_config, verdict
+from detrl.plan import GIB, LAYOUTS, code_layout, config_layout, context_bound, for_config, verdict
 from detrl.plan.memory import PHASES
 
 
@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"detrl.plan: config error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    lay = engine_layout(code_layout(), cfg) if args.layout == "code" else LAYOUTS[args.layout]
+    lay = (
+        config_layout(code_layout(), cfg, args.world_size) if args.layout == "code" else LAYOUTS[args.layout]
+    )
     p, s, w, lay = for_config(cfg, ctx, args.world_size, args.device, args.device_memory_gib * GIB, lay)
     print(
         f"{cfg.model.name}: {s.params / 1e9:.3f}B parameters, ctx_len {ctx}, micro-batch {w.micro_batch} x "

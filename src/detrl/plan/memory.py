@@ -380,14 +380,16 @@ def weight_sync(s: Shapes, lay: Layout, world: int) -> float:
 
 
 def preflight(s: Shapes, w: Workload, lay: Layout, world: int, seqs: int = 8) -> dict[str, float]:
-    """Before step 0 (models/preflight.py): `full` construction holds the whole fp32 policy and reference on every
-    rank, fuses them (a cast copies all) and scores [8, ctx_len] as the trainer does (`scoring`: the lm_head in
-    row chunks, no [8, ctx_len, V] logits), then prefills and decodes the 8 rows through a [8, ctx_len] KV cache
-    of every layer; `sharded`: the rank's shards and one block's check (its weights, its activations, the head in
-    chunks, one layer's cache)."""
+    """Before step 0 (models/preflight.py; the reference and the engine are built after it): `full` construction
+    holds the whole fp32 policy on every rank, fuses it (a cast copies all), scores [8, ctx_len] as the trainer
+    does (`scoring`: the lm_head in row chunks, no [8, ctx_len, V] logits), then prefills and decodes the 8 rows
+    through a [8, ctx_len] KV cache of every layer; `sharded` (a `model.path` run on several ranks): the rank's
+    shards, the root group and block 0 gathered and fused (`first_block`), one block's check (its activations,
+    the head in chunks, one layer's cache)."""
     c = w.compute_bytes
-    if lay.construct == "sharded":
-        copies = 2 * s.block * c
+    if lay.construct == "sharded":  # preflight.first_block: the root group and block 0 gathered (fp32), fused
+        root = s.params - s.layers * s.block
+        copies = (root + s.block) * (MASTER + c)
         act = seqs * w.ctx_len * layer_activation(s, w)
         act += forward_attention(s, w, seqs) + attention_mask(w, seqs)
         act += head_chunks(s, w, seqs, 2) + seqs * w.ctx_len * s.kv_per_token(c) / s.layers
@@ -399,7 +401,7 @@ def preflight(s: Shapes, w: Workload, lay: Layout, world: int, seqs: int = 8) ->
     return {
         "runtime": RUNTIME[w.device],
         "master weights": master,
-        "reference model": master if w.reference else 0.0,
+        "reference model": 0.0,  # built after the preflight (trainer.start), as the engine is
         "compute copies": copies,
         "activations": act,
     }
