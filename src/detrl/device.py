@@ -98,11 +98,12 @@ def _libc():
 def trim_host_memory() -> None:
     """Give the host heap's free pages back to the OS (glibc `malloc_trim(0)`; elsewhere a no-op).
 
-    Called by a sharded model's block gathers (`fsdp.Gather`, after each block's all-gather and after its
-    backward's reduce): glibc keeps freed memory (its mmap threshold rises to the largest block freed, up to
+    Called by a sharded model's gathers (`fsdp.Gather`, after each block's all-gather and after its backward's
+    reduce; `fsdp.full_items` / `full_params` after a pass over the parameters): glibc keeps freed memory (its mmap threshold rises to the largest block freed, up to
     32 MiB, so the gathered blocks come from the heap and stay resident as free holes), and a rank's RSS grew by
     every block it gathered. Measured on `benchmarks/memory.py --ranks 1,2` (50M parameters, 2 CPU cores, with
-    other work on the machine): 2-rank peak RSS 1,787 -> 1,391 MiB per rank; the price is re-faulting those pages:
+    other work on the machine): 2-rank peak RSS 1,787 -> 1,391 MiB per rank (1,364 with the parameter passes
+    trimmed too); the price is re-faulting those pages:
     +16% CPU time and ~+20% step time on that run (the default model's 2-rank run: no measurable change). One
     process never calls it. Trimming only after each micro-batch and the optimizer step saved less (1,541 MiB);
     only in the backward, less still (1,578); a fixed glibc threshold (MALLOC_MMAP_THRESHOLD_=65536) as much

@@ -124,6 +124,7 @@ def full_items(model) -> Iterator[tuple[str, torch.Tensor]]:
     for name in sorted(sd):
         v = sd[name]
         yield name, (v.full_tensor() if isinstance(v, DTensor) else v)
+    trim_host_memory()  # the gathered parameters' pages (see Gather.forward)
 
 
 def full_params(model) -> Iterator[torch.Tensor]:
@@ -133,6 +134,7 @@ def full_params(model) -> Iterator[torch.Tensor]:
 
     for _, p in sorted(model.named_parameters(), key=lambda x: x[0]):
         yield p.full_tensor() if isinstance(p, DTensor) else p
+    trim_host_memory()
 
 
 # --- per-group gathers for the functional forward ----------------------------------------------------------
