@@ -365,3 +365,15 @@ def test_cli_bad_world_size_is_one_line(capsys):
     assert main(["--world-size", "0", "--device-memory-gib", "141"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "detrl.plan: --world-size=0 is not valid: must be > 0"
+
+
+def test_several_ranks_plan_the_recomputation_the_sharded_forward_always_does():
+    # models/forward.py recomputes every block of a sharded model in the backward, checkpointing asked or not
+    cfg, ckpt = make_cfg("model=qwen3_8b"), make_cfg("model=qwen3_8b", "activation_checkpointing=true")
+    assert not cfg.activation_checkpointing
+
+    def backward(c, world):
+        p, *_ = planner.for_config(c, 1536, world, "cuda", 141 * planner.GIB)
+        return p.phases["backward"]["activations"]
+
+    assert backward(cfg, 2) == backward(ckpt, 2) < backward(cfg, 1)

@@ -148,6 +148,10 @@ def for_config(
 ) -> tuple[Plan, Shapes, Workload, Layout]:
     lay = layout or config_layout(code_layout(), cfg, world)
     s, w = shapes_of(cfg.model), workload_of(cfg, ctx_len, device, lay)
+    if (
+        world > 1
+    ):  # a sharded model's forward always recomputes each block in the backward (models/forward.py)
+        w = dataclasses.replace(w, checkpointing=True)
     return plan(s, w, lay, world, budget), s, w, lay
 
 
