@@ -164,6 +164,18 @@ def fused_meta(model, dtype: torch.dtype | None = None) -> Weights:
     )
 
 
+def engine_copy(model, dtype: torch.dtype | None, device, share: bool = False) -> Weights:
+    """An engine's own copy of the fused weights in `dtype` on `device` (share: in CPU shared memory, for worker
+    processes). An FSDP2-sharded model: empty tensors of the fused shapes (`fused_meta`), never a gathered
+    model; the caller fills them by the streaming weight sync (builder.make_engine: distributed.sync_weights)."""
+    with torch.no_grad():
+        if fsdp.is_sharded(model):
+            w = fused_meta(model, dtype).map(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+        else:
+            w = fuse(model, dtype).map(lambda t: t.detach().to(device).clone())
+    return w.map(lambda t: t.share_memory_()) if share else w
+
+
 @dataclass
 class KVCache:
     k: list[torch.Tensor]  # per layer [B, Hkv, ctx_len, D]

@@ -20,14 +20,12 @@ A tensor the file lacks, or of another shape than the model's, is a one-line `Sh
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 
 from detrl.config.base import ConfigError
-
-_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+from detrl.models.hf_save import _FUSED  # the fused experts' names: hf_save splits them, here they are joined
 
 
 class ShardLoadError(ConfigError):

@@ -24,11 +24,10 @@ from collections.abc import Iterable
 
 import torch
 
-from detrl import fsdp
 from detrl.models.forward import (
     KVCache,
+    engine_copy,
     fuse,
-    fused_meta,
     layer_post,
     layer_pre,
     log_probs,
@@ -95,14 +94,8 @@ class CudaEngine:
         self.config = model.config
         with torch.device("meta"):  # a weightless twin: a state dict is fused through it, on its own device
             self._twin = _unsharded_class(model)(model.config)
-        with torch.no_grad():
-            # torchrun: a sharded model gives shapes only; empty, filled by the caller's streaming sync (pairs)
-            if fsdp.is_sharded(model):
-                self.weights = fused_meta(model, dtype).map(
-                    lambda t: torch.empty(t.shape, dtype=dtype, device=self.device)
-                )
-            else:
-                self.weights = fuse(model, dtype).map(lambda t: t.detach().to(self.device, dtype).clone())
+        # torchrun: a sharded model gives shapes only; empty, filled by the caller's streaming sync (pairs)
+        self.weights = engine_copy(model, dtype, self.device)
         self.rope = rope_tables(self.config, ctx_len, self.device, dtype)
         # graphs need a dispatch without host syncs (the per-expert loop syncs: MoE on it runs eagerly)
         moe = getattr(self.config, "num_experts", None)

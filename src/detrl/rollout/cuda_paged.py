@@ -20,8 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
-from detrl import fsdp
-from detrl.models.forward import fuse, fused_meta
+from detrl.models.forward import engine_copy
 from detrl.models.ops import Ops, sdpa_attention
 from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.batching import check_fits, prompt_groups
@@ -62,11 +61,6 @@ def device_ops(ops: Ops) -> tuple[Ops, type]:
     )
 
 
-def _fused(model, dtype):
-    """The model's fused weights in `dtype`; an FSDP2-sharded model's as meta tensors (shapes only, no gather)."""
-    return fused_meta(model, dtype) if fsdp.is_sharded(model) else fuse(model, dtype)
-
-
 class CudaPagedEngine:
     """Holds its own copy of the policy weights on `device` (synced in place by `update_weights`)."""
 
@@ -88,16 +82,11 @@ class CudaPagedEngine:
         self.config = model.config
         on_cpu = self.device.type == "cpu"
         if on_cpu:  # the CPU worker's setup: the op set as given, weights fused in its compute dtype
-            self.ops, fused = ops, _fused(model, ops.dtype)
-            pool_type = KVPool
+            self.ops, pool_type, wdtype = ops, KVPool, ops.dtype
         else:  # as CudaEngine: the weights cast once, the op set's attention per determinism
-            self.ops, pool_type = device_ops(ops)
-            fused = _fused(model, dtype)
-        with torch.no_grad():
-            if fsdp.is_sharded(model):  # torchrun: empty, filled by the caller's streaming weight sync
-                self.weights = fused.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device))
-            else:
-                self.weights = fused.map(lambda t: t.detach().to(self.device).clone())
+            (self.ops, pool_type), wdtype = device_ops(ops), dtype
+        # (an FSDP2-sharded model: empty, filled by the caller's streaming weight sync)
+        self.weights = engine_copy(model, wdtype, self.device)
         # an explicit size is taken as given; an automatic one on CUDA: within half the free memory
         free = None
         if not pool.kv_pool_tokens and self.device.type == "cuda":

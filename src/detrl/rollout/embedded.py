@@ -27,8 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
-from detrl import fsdp
-from detrl.models.forward import fuse, fused_meta
+from detrl.models.forward import engine_copy
 from detrl.models.ops import Ops
 from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.batching import SCHEDULERS, check_fits, fixed_batches, fixed_group_routing, prompt_groups
@@ -139,15 +138,8 @@ class EmbeddedEngine:
         self.deterministic = torch.are_deterministic_algorithms_enabled()  # set by determinism.setup
         # the weights the workers read: shared memory, overwritten in place at each sync
         # in the compute dtype (ops.dtype: bf16 copies of float32 masters), as the trainer's forward fuses them
-        # an FSDP2-sharded model (torchrun): empty shared tensors of the fused shapes, never a full model here;
-        # the caller fills them by the streaming weight sync (builder.make_engine: distributed.sync_weights)
-        with torch.no_grad():
-            if fsdp.is_sharded(model):
-                self.weights = fused_meta(model, ops.dtype).map(
-                    lambda t: torch.empty(t.shape, dtype=t.dtype).share_memory_()
-                )
-            else:
-                self.weights = fuse(model, ops.dtype).map(lambda t: t.detach().clone().share_memory_())
+        # (an FSDP2-sharded model: empty, filled by the caller's streaming weight sync)
+        self.weights = engine_copy(model, ops.dtype, "cpu", share=True)
         self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)
         self._ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
         self._abort = (
