@@ -273,7 +273,7 @@ class DataParallel:
         self._acc: list[torch.Tensor | None] = [None] * len(self.sharded)  # ordered: this rank's grad shards
         self._index = {id(p): i for i, p in enumerate(self.sharded)}
         self._flags = [0] * self.world  # the round's senders (open_round)
-        self._rows = [_shard_rows(p.shape[0], self.world) for p in self.sharded]
+        self._rows = [fsdp.shard_rows(p.shape[0], self.world) for p in self.sharded]
 
     def micro_batches(self, start: int, stop: int, mb: int) -> list[tuple[tuple, slice]]:
         """This rank's (key, rows) of the mini-batch rows [start, stop); keys order micro-batches globally."""
@@ -425,6 +425,3 @@ class DataParallel:
         """Elements of parameter i's shard on rank r (FSDP2: dim 0 cut in ceil(d0 / W)-row chunks)."""
         lo, hi = self._rows[i][r]
         return (hi - lo) * math.prod(self.sharded[i].shape[1:])
-
-
-_shard_rows = fsdp.shard_rows  # [lo, hi) rows of each rank's dim-0 shard
