@@ -103,11 +103,25 @@ def test_two_ranks_shard_per_block_and_sync_one_parameter_at_a_time(tmp_path):
 
 # micro_batch_size=3 over test_update's 8 sequences: micro-batches of 3, 3, 2; on 2 ranks rank 1 holds none in
 # the last round. `current`: the gradient pass's logprobs are the old ones
-UPDATE_CASES = [("qwen3", "recompute"), ("qwen3", "current"), ("qwen3_moe", "recompute")]
+# bf16: the compute dtype of GPU runs (fp32 masters): the gathers carry the matrices in it
+UPDATE_CASES = [
+    ("qwen3", "recompute", "float32"),
+    ("qwen3", "current", "float32"),
+    ("qwen3_moe", "recompute", "float32"),
+    ("qwen3", "recompute", "bfloat16"),
+    ("qwen3_moe", "current", "bfloat16"),
+]
 
 
-def _update(model_name: str, old: str, sharded: bool):
-    """update() on test_update's batch -> (the whole gradient, the model, the update's metrics)."""
+def _gathered_bytes(params, dtype: str) -> int:
+    """What `fsdp.gather_cast` gathers of these parameters: matrices in the compute dtype, vectors in fp32."""
+    return sum(p.numel() * (2 if dtype == "bfloat16" and p.dim() >= 2 else 4) for p in params)
+
+
+def _update(model_name: str, old: str, dtype: str, sharded: bool):
+    """update() on test_update's batch in the compute dtype -> (the whole gradient, the model, its metrics)."""
+    import dataclasses
+
     from detrl import distributed
     from detrl.config import ModelConfig
     from detrl.models import build_model
@@ -128,7 +142,9 @@ def _update(model_name: str, old: str, sharded: bool):
     cfg = _cfg("micro_batch_size=3", f"algo.old_logprobs={old}", "algo.kl_loss_coef=0.1")
     batch, adv = _batch()
     opt = Full(model.parameters())
-    m = update(model, ref, opt, batch, adv, cfg, OPS["on"], L, rope_tables(model.config, L), version=0, dp=dp)
+    ops = dataclasses.replace(OPS["on"], dtype=getattr(torch, dtype))
+    rope = rope_tables(model.config, L, "cpu", ops.dtype)
+    m = update(model, ref, opt, batch, adv, cfg, ops, L, rope, version=0, dp=dp)
     return opt.grads[0], model, m
 
 
@@ -143,16 +159,23 @@ def _update_worker(out: Path) -> None:
         grads, model, m = _update(*case, sharded=True)
         blocks = [sum(p.numel() for p in b.parameters()) for b in fsdp.blocks(model)]
         root = sum(p.numel() for p in fsdp.root_params(model))
-        res[case] = dict(grads=grads, metrics=m, peak=fsdp.gathers(model).peak, root=root, block=max(blocks))
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        book = fsdp.gathers(model)
+        res[case] = dict(
+            grads=grads, metrics=m, peak=book.peak, root=root, block=max(blocks), peak_bytes=book.peak_bytes,
+            block_bytes=max(_gathered_bytes(b.parameters(), case[2]) for b in fsdp.blocks(model)),
+            root_bytes=_gathered_bytes(fsdp.root_params(model), "float32" if tied else case[2]),
+        )  # fmt: skip
     if distributed.is_main():
         torch.save(res, out / "update.pt")
     distributed.close()
 
 
 def test_two_ranks_gather_one_block_at_a_time_and_give_one_processs_bits(tmp_path):
-    """2 ranks, 3 micro-batches (rank 1 holds none in the last round; dense, MoE, `current`): the gradient and
-    every metric are one process's bits, and the forward, its checkpointed recompute and the backward never hold
-    more than the root group and one block's full parameters at once."""
+    """2 ranks, 3 micro-batches (rank 1 holds none in the last round; dense, MoE, `current`, fp32 and bf16
+    compute): the gradient and every metric are one process's bits, and the forward, its checkpointed recompute
+    and the backward never hold more than the root group and one block's full parameters at once (in bf16, the
+    blocks' matrices gathered in bf16: about half the bytes)."""
     _torchrun(__file__, "update", str(tmp_path))
     got = torch.load(tmp_path / "update.pt")
     torch.use_deterministic_algorithms(True)
@@ -160,6 +183,9 @@ def test_two_ranks_gather_one_block_at_a_time_and_give_one_processs_bits(tmp_pat
         for case in UPDATE_CASES:
             r = got[case]
             assert r["block"] <= r["peak"] <= r["root"] + r["block"], (case, r["peak"], r["root"], r["block"])
+            assert r["block_bytes"] <= r["peak_bytes"] <= r["root_bytes"] + r["block_bytes"], (case, r)
+            if case[2] == "bfloat16":  # a block's gather: its matrices in bf16, about half an fp32 gather
+                assert r["block_bytes"] < 0.55 * 4 * r["block"], (case, r["block_bytes"], r["block"])
             grads, _, m = _update(*case, sharded=False)
             assert any(g.abs().sum() > 0 for g in grads)
             assert len(grads) == len(r["grads"]) and all(map(torch.equal, r["grads"], grads)), case

@@ -32,11 +32,18 @@ import torch.distributed as dist
 from detrl import fsdp
 
 # What the code does with memory, for the planner (detrl.plan.Layout's fields; the rest as its TODAY): the
-# functional forward gathers one block at a time in fp32 (and the root group), forward and backward; the ordered
+# functional forward gathers one block at a time (and the root group), forward and backward, its matrices in the
+# compute dtype (fsdp.gather_cast; a tied embedding's root in fp32, not planned apart); the ordered
 # reduce keeps an fp32 accumulator shard and one block's gradient with its all-to-all buffers; the weight sync
 # passes one parameter at a time; the batch-invariant attention's backward (models/ops.py query_chunked on CPU,
 # models/triton_attention.py attention_backward on CUDA) runs in pieces of ATTN_QUERY_CHUNK query rows
-PLAN_LAYOUT = {"gather": "block", "reduce": "shard", "sync": "block", "attn_backward": "pieces"}
+PLAN_LAYOUT = {
+    "gather": "block",
+    "gather_dtype": "compute",
+    "reduce": "shard",
+    "sync": "block",
+    "attn_backward": "pieces",
+}
 
 
 def _from_slurm() -> None:

@@ -1,9 +1,10 @@
 """FSDP2 over detrl's models as torchtitan applies it: `fully_shard` on each decoder block, then on the root.
 
 Each block is its own parameter group (its own all-gather); the root's group holds what is left (embedding,
-final norm, lm_head). Mixed precision (`policy`): on GPUs under `off` the blocks are gathered in the compute dtype
-(bf16) and gradients reduced in fp32; on CPU, and under `on` everywhere, gathers stay fp32 so the bits are one
-process's. The weight sync and `fp/params` read the parameters one at a time (`full_items`): at most one full
+final norm, lm_head). Mixed precision: the functional forward's gathers (below) carry the matrices in the compute
+dtype (bf16 on GPUs: half the bytes of an fp32 gather, the same bits as casting after it) and its gradients are
+reduced in fp32; the modules' own forward (FSDP2's hooks, `param_dtype`) gathers in the compute dtype on GPUs
+under `off`, in fp32 on CPU and under `on`. The weight sync and `fp/params` read the parameters one at a time (`full_items`): at most one full
 tensor exists at once, never the full model.
 
 detrl's functional forward reads a sharded model through `Gather` (`gather_root`, `gather_block`): one group's
@@ -141,21 +142,22 @@ def full_params(model) -> Iterator[torch.Tensor]:
 
 
 class Gathers:
-    """A model's gathered parameters now alive and their high-water mark (elements), and the reducer the
+    """A model's gathered parameters now alive and their high-water marks (elements, bytes), and the reducer the
     backward hands gradients to (None outside `reducing`: no backward through the gathers)."""
 
     def __init__(self):
-        self.live = self.peak = 0
+        self.live = self.peak = self.live_bytes = self.peak_bytes = 0
         self.reducer = None
 
     def track(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
-            self.live += t.numel()
-            weakref.finalize(t, self._drop, t.numel())
-        self.peak = max(self.peak, self.live)
+            n, b = t.numel(), t.numel() * t.element_size()
+            self.live, self.live_bytes = self.live + n, self.live_bytes + b
+            weakref.finalize(t, self._drop, n, b)
+        self.peak, self.peak_bytes = max(self.peak, self.live), max(self.peak_bytes, self.live_bytes)
 
-    def _drop(self, n: int) -> None:
-        self.live -= n
+    def _drop(self, n: int, b: int) -> None:
+        self.live, self.live_bytes = self.live - n, self.live_bytes - b
 
 
 def gathers(model) -> Gathers:
@@ -195,14 +197,33 @@ def _all_gather(shards: tuple[torch.Tensor, ...], shapes: list[torch.Size]) -> l
     return out
 
 
+def gather_cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A shard as it is gathered: matrices (dim >= 2) in the compute dtype, before the all-gather (half the bytes
+    and the traffic in bf16; the same bits as casting the gathered tensor, and their gradients the same values:
+    each is used once, its gradient summed nowhere before the reducer's fp32); vectors (norms) in their own
+    dtype, cast after the fuse as before (q/k norms are expanded per head: their gradients sum there)."""
+    return t if dtype is None or t.dim() < 2 or t.dtype == dtype else t.to(dtype)
+
+
+def _gather_by_dtype(shards: list[torch.Tensor], shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """`_all_gather` once per dtype among the shards (matrices in the compute dtype, vectors in fp32), in order."""
+    out: list = [None] * len(shards)
+    for dt in dict.fromkeys(t.dtype for t in shards):
+        idx = [i for i, t in enumerate(shards) if t.dtype == dt]
+        for i, t in zip(idx, _all_gather(tuple(shards[i] for i in idx), [shapes[i] for i in idx])):
+            out[i] = t
+    return out
+
+
 class Gather(torch.autograd.Function):
-    """(gathers, params, *local shards) -> the params' full tensors. Backward: the full gradients to the
-    reducer, whose returned shard gradients (or None) flow on to the DTensor parameters."""
+    """(gathers, params, dtype, *local shards) -> the params' full tensors (matrices in `dtype`: `gather_cast`).
+    Backward: the full gradients to the reducer (which takes them in fp32), whose returned shard gradients (or
+    None) flow on to the DTensor parameters in their own dtype."""
 
     @staticmethod
-    def forward(ctx, book: Gathers, params: list, *shards: torch.Tensor):
+    def forward(ctx, book: Gathers, params: list, dtype: torch.dtype | None, *shards: torch.Tensor):
         ctx.book, ctx.params = book, params
-        full = _all_gather(shards, [p.shape for p in params])
+        full = _gather_by_dtype([gather_cast(t, dtype) for t in shards], [p.shape for p in params])
         trim_host_memory()  # see device.trim_host_memory: else each block's gather grows the host heap
         book.track(full)
         return tuple(full)
@@ -213,18 +234,19 @@ class Gather(torch.autograd.Function):
             raise RuntimeError("a backward through a sharded model's gathers needs a reducer (fsdp.reducing)")
         shards = ctx.book.reducer.reduce_group(ctx.params, list(grads))
         trim_host_memory()  # the block's full gradient and the reduce's buffers
-        return None, None, *shards
+        return None, None, None, *shards
 
 
-def _gather(model, params: list) -> list[torch.Tensor]:
-    full = Gather.apply(gathers(model), params, *(p.to_local() for p in params))
+def _gather(model, params: list, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    full = Gather.apply(gathers(model), params, dtype, *(p.to_local() for p in params))
     return list(full)
 
 
-def gather_block(model, block: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """One block's parameters, full (names relative to the block). Collective."""
+def gather_block(model, block: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """One block's parameters, full (names relative to the block), its matrices in `dtype` (the compute dtype:
+    `gather_cast`; None: the masters'). Collective."""
     named = list(block.named_parameters())
-    return dict(zip((n for n, _ in named), _gather(model, [p for _, p in named])))
+    return dict(zip((n for n, _ in named), _gather(model, [p for _, p in named], dtype)))
 
 
 def root_params(model) -> list[torch.Tensor]:
@@ -233,8 +255,10 @@ def root_params(model) -> list[torch.Tensor]:
     return [p for p in model.parameters() if id(p) not in inner]
 
 
-def gather_root(model) -> dict[int, torch.Tensor]:
+def gather_root(model, dtype: torch.dtype | None = None) -> dict[int, torch.Tensor]:
     """The root group's parameters, full, by the identity of the sharded parameter (tied ones share one
-    gathered tensor). Collective."""
+    gathered tensor), matrices in `dtype` unless the embedding is tied to the head: the forward casts it once
+    per use, so its two gradients meet in fp32 (one bf16 gather would sum them in bf16). Collective."""
     params = root_params(model)
-    return dict(zip((id(p) for p in params), _gather(model, params)))
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    return dict(zip((id(p) for p in params), _gather(model, params, None if tied else dtype)))

@@ -113,7 +113,7 @@ class ShardedLayer:
 
     def load(self) -> LayerWeights:
         block = fsdp.blocks(self.model)[self.index]
-        lw = fuse_layer(block, self.model.config, fsdp.gather_block(self.model, block))
+        lw = fuse_layer(block, self.model.config, fsdp.gather_block(self.model, block, self.dtype))
         return LayerWeights(**{f.name: _cast(getattr(lw, f.name), self.dtype) for f in fields(LayerWeights)})
 
 
@@ -131,7 +131,7 @@ def fuse(model, dtype: torch.dtype | None = None) -> Weights:
     """
     c, inner = model.config, model.model
     if fsdp.is_sharded(model):
-        root = fsdp.gather_root(model)
+        root = fsdp.gather_root(model, dtype)
         embed, norm, head = (
             root[id(p)] for p in (inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight)
         )
