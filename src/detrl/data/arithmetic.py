@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import random
 
-from datasets import Dataset
-
 from detrl.data.base import Problem, Task
 
 __all__ = ["ArithmeticTask", "Problem", "exact_match_reward"]
@@ -38,15 +36,21 @@ class ArithmeticTask(Task):
             for b in range(min_operand, max_operand + 1)
         ]
         random.Random(seed).shuffle(rows)
-        self.dataset = Dataset.from_list(rows)
         # plain lists: indexing a Dataset per item is slow
-        super().__init__(list(self.dataset["prompt"]), list(self.dataset["answer"]))
+        super().__init__([r["prompt"] for r in rows], [r["answer"] for r in rows])
+
+    @property
+    def dataset(self):
+        """The problems as a `datasets.Dataset` (columns prompt, answer), made when asked: a training run never
+        reads it, and importing datasets (with pandas and pyarrow) costs each process ~85 MiB of RSS."""
+        from datasets import Dataset
+
+        return Dataset.from_dict({"prompt": list(self._prompts), "answer": list(self._answers)})
 
     def subset(self, indices: list[int]) -> Task:
         """The rows at `indices` (in that order) as a task of their own (a train or held-out split)."""
         out = Task.__new__(type(self))
         Task.__init__(out, [self._prompts[i] for i in indices], [self._answers[i] for i in indices])
-        out.dataset = self.dataset.select(indices)
         return out
 
     def encode(self, tokenizer, problem: Problem) -> list[int]:
