@@ -377,3 +377,19 @@ def test_several_ranks_plan_the_recomputation_the_sharded_forward_always_does():
         return p.phases["backward"]["activations"]
 
     assert backward(cfg, 2) == backward(ckpt, 2) < backward(cfg, 1)
+
+
+def test_a_warm_start_on_several_ranks_plans_the_sharded_construction(tmp_path):
+    # the warm start is a save_pretrained directory: under torchrun its shards are read from it, as model.path's
+    # are (builder.sharded_build); a random init is built whole on every rank, then sharded
+    warm, rand, path = make_cfg(), make_cfg("model.init=random"), make_cfg(f"model.path={tmp_path}")
+
+    def construct(c, world):
+        return planner.config_layout(planner.code_layout(), c, world).construct
+
+    assert [construct(c, 2) for c in (warm, rand, path)] == ["sharded", "full", "sharded"]
+    assert [construct(c, 1) for c in (warm, rand, path)] == ["full"] * 3
+    p2, *_ = planner.for_config(warm, planner.context_bound(warm), 2, "cpu", 64 * planner.GIB)
+    assert (
+        p2.phases["preflight"]["master weights"] < planner.shapes_of(warm.model).params * 4
+    )  # the shards only

@@ -2,9 +2,11 @@
 safetensors equal, bitwise, torch.chunk of what from_pretrained(dtype=float32) loads (dense with a tied embedding
 stored in bf16, dense untied, Qwen3-MoE's fused experts from a two-file index), a rank reads only its rows, the
 engine is filled by the streaming sync (no full model), the preflight runs on one block, and a 2-rank train.py
-run from the checkpoint gives the 1-rank run's fingerprints at every step (dense and MoE).
+run from the checkpoint gives the 1-rank run's fingerprints at every step (dense and MoE); so does a 2-rank run of
+the default warm start (no model.path), sharded from its cache directory.
 
-One torchrun launch (this file's `worker`, ~30 s on 2 cores); the rest runs in this process.
+One torchrun launch (this file's `worker`, ~45 s on 2 cores with the warm-start run and its SFT); the rest runs in
+this process.
 """
 
 from __future__ import annotations
@@ -198,6 +200,41 @@ def _check_loaded(path: Path) -> dict:
     }
 
 
+def warm_start(out: Path, refuse) -> None:
+    """The default warm start (no model.path) on a fresh cache: rank 0 builds it once (the SFT), then every rank
+    loads its shards of it, policy and reference; its full load (load_or_build) refuses. Records, per rank, the
+    SFTs run and the directories `load_sharded` read."""
+    import os
+
+    from detrl import builder, distributed
+    from detrl.models import sharded_load
+    from detrl.trainer import train
+    from tests.conftest import make_cfg
+    from tests.test_distributed import _train_args
+
+    seen, real_load, real_build = {"sft": 0, "loads": []}, sharded_load.load_sharded, builder.build_and_cache
+
+    def load(path, *args, **kwargs):
+        seen["loads"].append(str(path))
+        return real_load(path, *args, **kwargs)
+
+    def build(*args, **kwargs):
+        seen["sft"] += 1
+        return real_build(*args, **kwargs)
+
+    args = _train_args(out / "two-warm", "algo.use_kl_loss=true")
+    with (
+        mock.patch.dict(
+            os.environ, {"DETRL_CACHE_DIR": str(out / "cache")}
+        ),  # rank 0's SFT, not the session's
+        mock.patch("detrl.builder.load_or_build", refuse),
+        mock.patch.object(sharded_load, "load_sharded", load),
+        mock.patch.object(builder, "build_and_cache", build),
+    ):
+        train(make_cfg(*[o for o in args if not o.startswith("run_dir=")]), out / "two-warm")
+    (out / f"warm-{distributed.rank()}.json").write_text(json.dumps(seen))
+
+
 def _worker(out: Path) -> None:
     from detrl import distributed
     from detrl.trainer import train
@@ -218,6 +255,7 @@ def _worker(out: Path) -> None:
         train(make_cfg(*[o for o in args if not o.startswith("run_dir=")], "algo.use_kl_loss=true"), run_dir)
 
     with mock.patch("detrl.builder.build_model", refuse):
+        warm_start(out, refuse)
         run("dense_tied_bf16", out / "two-dense_tied_bf16", "checkpoint.every=1")
         run("moe", out / "two-moe")
         if (
@@ -240,7 +278,40 @@ def two_ranks(tmp_path_factory) -> Path:
         _one_process(
             out / f"one-{name}", f"model.path={out / 'ckpts' / name}", *extra, "algo.use_kl_loss=true"
         )
+    _one_process(out / "one-warm", "algo.use_kl_loss=true")  # the session's cached warm start, loaded in full
     return out
+
+
+def test_two_ranks_load_the_warm_start_sharded_and_give_the_one_rank_fingerprints(two_ranks):
+    """model.init=warmstart (the default, no model.path) on 2 ranks: rank 0 alone builds the missing cache, then
+    both ranks read their shards of it, policy and reference, with every full build refused; the same bits as a
+    1-rank run that loads the warm start in full (from_pretrained)."""
+    (cached,) = (two_ranks / "cache" / "warmstart").iterdir()
+    for r in range(2):
+        seen = json.loads((two_ranks / f"warm-{r}.json").read_text())
+        assert seen == {"sft": 1 - r, "loads": [str(cached)] * 2}, (r, seen)  # the policy, then the reference
+    two, one = _fps(two_ranks / "two-warm"), _fps(two_ranks / "one-warm")
+    assert len(two) == 2 and two == one
+    assert two[0][1] != two[1][1]  # fp/params moved: it trained
+    numerics = json.loads((two_ranks / "two-warm" / "numerics.json").read_text())
+    assert numerics["preflight_model"].startswith("1 of 2 layers")  # preflight.first_block: a sharded model
+
+
+def test_the_warm_start_is_one_checkpoint_dir_on_every_path(tmp_path, monkeypatch):
+    """builder.checkpoint_dir: model.path, the warm start's cache directory (what load_or_build reads), or none
+    (random init); `sharded_build` follows it under W > 1 only."""
+    from detrl import builder, distributed
+    from detrl.data import tokenizer_for
+    from detrl.warmstart import warmstart_dir
+    from tests.conftest import make_cfg
+
+    warm, rand, path = make_cfg(), make_cfg("model.init=random"), make_cfg(f"model.path={tmp_path}")
+    tok = tokenizer_for(warm)
+    assert builder.checkpoint_dir(warm, tok) == warmstart_dir(warm.model, warm.data, warm.warmstart, tok)
+    assert builder.checkpoint_dir(rand, tok) is None and builder.checkpoint_dir(path, tok) == tmp_path
+    assert not any(builder.sharded_build(c) for c in (warm, rand, path))  # one rank: built in full
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    assert [builder.sharded_build(c) for c in (warm, rand, path)] == [True, False, True]
 
 
 def test_a_two_rank_run_from_a_checkpoint_resumes_exactly(two_ranks):

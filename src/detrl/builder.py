@@ -16,30 +16,53 @@ from detrl.device import check_compute_dtype, resolve_device, resolve_dtype
 from detrl.models.build import build_model, checkpoint_architecture
 from detrl.rollout import SamplingParams
 from detrl.runtime import context_length
-from detrl.warmstart import load_or_build
+from detrl.warmstart import build_and_cache, is_cached, load_or_build, warmstart_dir
+
+
+def checkpoint_dir(cfg: TrainConfig, tokenizer) -> Path | None:
+    """The Hugging Face directory the run's weights come from (`ModelConfig.from_checkpoint`): model.path, or the
+    warm start's cache (model.init=warmstart, no path; not built yet on a first run); None for a random init."""
+    m = cfg.model
+    if not m.from_checkpoint():
+        return None
+    if m.path is not None:
+        return Path(m.path)
+    return warmstart_dir(m, cfg.data, cfg.warmstart, tokenizer, resolve_device(cfg.device).type)
 
 
 def sharded_build(cfg: TrainConfig) -> bool:
-    """Whether the policy (and reference) are built sharded from the file (`models.sharded_load`): model.path
-    under torchrun with W > 1. Random-init and warm-start models (no model.path: small ones) are still built in
-    full on every rank, then sharded by the trainer; a one-rank run builds in full as ever."""
-    return cfg.model.path is not None and distributed.world_size() > 1
+    """Whether the policy (and reference) are built sharded from `checkpoint_dir` (`models.sharded_load`): under
+    torchrun with W > 1, from model.path or the warm start's cache. A random-init model is still built in full on
+    every rank, then sharded by the trainer; a one-rank run builds in full as ever."""
+    return cfg.model.from_checkpoint() and distributed.world_size() > 1
+
+
+def load_sharded_policy(
+    cfg: TrainConfig, tokenizer, task, ctx_len: int, device: torch.device | None, ordered: bool
+) -> torch.nn.Module:
+    """`checkpoint_dir`'s model, FSDP2-sharded on `device`, each rank's rows read from the file (collective-free).
+    The warm start is built and cached first when missing (rank 0, under `distributed.main_first`: its full
+    model dropped), so that every rank, rank 0 included, loads the same shards of the same file."""
+    from detrl.models.sharded_load import load_sharded
+
+    path = checkpoint_dir(cfg, tokenizer)
+    if cfg.model.path is None and not is_cached(path):  # the warm start, missing: built as one rank builds it
+        device_type = resolve_device(cfg.device).type
+        build_and_cache(path, cfg.model, cfg.warmstart, tokenizer, task, ctx_len, device_type)
+    with torch.random.fork_rng(devices=[]):  # draws nothing from the run's stream
+        return load_sharded(
+            path, device or torch.device("cpu"), ordered, attn_implementation=cfg.model.attn_implementation
+        )
 
 
 def load_policy(
     cfg: TrainConfig, tokenizer, task, ctx_len: int, device: torch.device | None = None, ordered: bool = True
 ) -> torch.nn.Module:
     """model.path's weights (float32), the cached warm start (arithmetic), or a fresh model from the seed. Under
-    `sharded_build`: FSDP2-sharded on `device`, each rank's rows read from the file (collective-free), in eval
-    mode as from_pretrained leaves a model; else a full model on CPU."""
+    `sharded_build`: FSDP2-sharded on `device` from `checkpoint_dir` (`load_sharded_policy`), in eval mode as
+    from_pretrained leaves a model; else a full model on CPU."""
     if sharded_build(cfg):
-        from detrl.models.sharded_load import load_sharded
-
-        with torch.random.fork_rng(devices=[]):  # draws nothing from the run's stream
-            return load_sharded(
-                cfg.model.path, device or torch.device("cpu"), ordered,
-                attn_implementation=cfg.model.attn_implementation,
-            )  # fmt: skip
+        return load_sharded_policy(cfg, tokenizer, task, ctx_len, device, ordered)
     if cfg.model.path is None and cfg.model.init == "warmstart":
         device = resolve_device(cfg.device).type
         return load_or_build(cfg.model, cfg.data, cfg.warmstart, tokenizer, task, ctx_len, device)
@@ -68,7 +91,7 @@ def build(cfg: TrainConfig):
     rt = runtime.make(det, device, dtype, cfg.activation_checkpointing, ctx_len)
     # the memory plan, before the model exists: a run that cannot fit is refused in one line
     plan.require_fits(cfg, ctx_len, distributed.world_size(), rt.device)
-    # float32 master weights (sharded from the file under torchrun with model.path; else full)
+    # float32 master weights (sharded from model.path or the warm start's file under torchrun; else full)
     model = load_policy(cfg, tokenizer, task, ctx_len, rt.device, det.ordered_reduce)
     if not distributed.is_sharded(model):  # (a sharded one is on rt.device already)
         model = model.to(rt.device)

@@ -178,9 +178,11 @@ def prepare(cfg: TrainConfig, run_dir: Path) -> tuple[dict, int, int, Path | Non
 
 
 def build_models(cfg: TrainConfig):
-    """Seed and build (rank 0 first: it builds and caches the warm start the others then load).
-    -> (det, tokenizer, task, runtime, policy, sampling)."""
-    # model.path under torchrun: the FSDP2 mesh before the ranks part (its creation may be collective on CUDA)
+    """Seed and build (rank 0 first: it builds and caches the warm start when missing; under torchrun every rank,
+    rank 0 included, then loads its shards of it, as of a model.path). -> (det, tokenizer, task, runtime, policy,
+    sampling)."""
+    # built sharded (model.path or the warm start, under torchrun): the FSDP2 mesh before the ranks part (its
+    # creation may be collective on CUDA)
     if sharded_build(cfg):
         fsdp.mesh(resolve_device(cfg.device))
     with distributed.main_first():
@@ -191,8 +193,9 @@ def build_models(cfg: TrainConfig):
 
 def reference(cfg: TrainConfig, tokenizer, task, rt, model, ordered: bool) -> torch.nn.Module | None:
     """The frozen reference when a KL term needs it (else None). One process: a copy of the policy. Sharded (the
-    policy already is): built again from the same source (the same bits) and sharded in turn, so that no rank
-    holds two full models at once; from model.path, sharded from the file as the policy was (never full)."""
+    policy already is): from model.path or the warm start, sharded from the file as the policy was (never full);
+    a random init built again from the seed (the same bits) and sharded in turn, so that no rank holds two full
+    models at once."""
     if not (cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward):
         return None
     if not distributed.is_sharded(model):
@@ -226,7 +229,7 @@ def start(cfg: TrainConfig, run_dir: Path, group: str) -> Run:
     if world > 1:  # FSDP2 over the trainer's models; this rank's engine serves its share of each generate
         # the update's passes gather each block themselves in the shards' fp32 (fsdp.Gather) and reduce its
         # gradient in its backward; compute= (bf16 gathers through FSDP2's hooks) is not used by them.
-        # model.path: built sharded already (builder.sharded_build); random init / warm start: sharded here
+        # model.path / warm start: built sharded already (builder.sharded_build); random init: sharded here
         if not distributed.is_sharded(model):
             distributed.shard(model, ordered=det.ordered_reduce)
         engine = RankEngine(engine, det)

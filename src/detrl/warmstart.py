@@ -92,19 +92,17 @@ def sft(model, tokenizer, task, ws: WarmstartConfig, ctx_len: int, device: str =
     model.eval().to("cpu")
 
 
-def load_or_build(
+def build_and_cache(
+    path: Path,
     model_cfg: ModelConfig,
-    data_cfg: DataConfig,
     ws: WarmstartConfig,
     tokenizer,
     task,
     ctx_len: int,
     device: str = "cpu",
 ) -> torch.nn.Module:
-    """The cached warm start, or one built now (the SFT on `device`, then cached)."""
-    path = warmstart_dir(model_cfg, data_cfg, ws, tokenizer, device)
-    if (path / "config.json").is_file():
-        return build_model(dataclasses.replace(model_cfg, path=str(path)), seed=ws.seed)
+    """The warm start built now (the SFT on `device`, drawing nothing from the caller's RNG), saved to `path`
+    (save_pretrained, float32: what a later load reads gives these bits); -> the model."""
     with torch.random.fork_rng(devices=[]):
         model = build_model(model_cfg, seed=ws.seed)
         sft(model, tokenizer, task, ws, ctx_len, device)
@@ -116,3 +114,24 @@ def load_or_build(
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return model
+
+
+def is_cached(path: Path) -> bool:
+    """Whether `path` (a `warmstart_dir`) holds a built warm start."""
+    return (path / "config.json").is_file()
+
+
+def load_or_build(
+    model_cfg: ModelConfig,
+    data_cfg: DataConfig,
+    ws: WarmstartConfig,
+    tokenizer,
+    task,
+    ctx_len: int,
+    device: str = "cpu",
+) -> torch.nn.Module:
+    """The cached warm start, or one built now (the SFT on `device`, then cached)."""
+    path = warmstart_dir(model_cfg, data_cfg, ws, tokenizer, device)
+    if is_cached(path):
+        return build_model(dataclasses.replace(model_cfg, path=str(path)), seed=ws.seed)
+    return build_and_cache(path, model_cfg, ws, tokenizer, task, ctx_len, device)

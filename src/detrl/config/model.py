@@ -40,6 +40,11 @@ class ModelConfig:
         "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
     )
 
+    def from_checkpoint(self) -> bool:
+        """Whether the weights are loaded from a Hugging Face directory: model.path, or the warm start's cache
+        (init=warmstart; `builder.checkpoint_dir` names the directory). False for a random init."""
+        return self.path is not None or self.init == "warmstart"
+
     def validate(self) -> None:
         """Names from their registries, then the shape rules (heads, experts) and the attention kernel."""
         from detrl.device import DTYPES

@@ -132,14 +132,15 @@ def context_bound(cfg: TrainConfig) -> int:
 def config_layout(lay: Layout, cfg: TrainConfig, world: int) -> Layout:
     """What the code does for this config: `rollout.scheduler=continuous` (the default) runs the paged engine, whose
     pool holds `rollout.kv_pool_tokens` (or, automatic, at most `rollout.kv_pool_max_tokens`) and is released while
-    the trainer updates (cuda_paged.CudaPagedEngine.release), `static` the bucketed caches; a `model.path` run on
+    the trainer updates (cuda_paged.CudaPagedEngine.release), `static` the bucketed caches; a run loading its
+    weights from a checkpoint directory (`ModelConfig.from_checkpoint`: model.path, or the warm start's cache) on
     several ranks is built sharded from the file (models/sharded_load.py; the preflight on one block), a
-    random-init or warm-start one whole on every rank, then sharded."""
+    random-init one whole on every rank, then sharded."""
     r = cfg.rollout
     kv = {"kv": "static"}
     if r.scheduler == "continuous":
         kv = {"kv": "paged", "kv_cap_tokens": r.kv_pool_tokens or r.kv_pool_max_tokens}
-    construct = "sharded" if cfg.model.path is not None and world > 1 else "full"
+    construct = "sharded" if cfg.model.from_checkpoint() and world > 1 else "full"
     return dataclasses.replace(lay, construct=construct, **kv)
 
 
