@@ -122,7 +122,7 @@ def test_preflight_names_the_varying_gemm_shape():
 
 def test_row_invariance_check_is_per_device():
     ops_mod._gemm_is_row_invariant(32, 48, torch.float32, "cpu")
-    assert (32, 48, torch.float32, "cpu") in ops_mod._ROW_INVARIANT
+    assert (32, 48, torch.float32, "cpu", torch.get_num_threads()) in ops_mod._ROW_INVARIANT
     assert not any(k[3] != "cpu" for k in ops_mod._ROW_INVARIANT if k[:3] == (32, 48, torch.float32))
 
 

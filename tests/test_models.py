@@ -61,6 +61,26 @@ def test_default_matmul_is_not_row_invariant_but_ours_is():
     assert all(torch.equal(bi_linear(x[:m], w), bi_linear(x, w)[:m]) for m in (1, 2, 3, 5, 17))
 
 
+@pytest.mark.parametrize("k, n", [(2048, 768), (1536, 512), (128, 256)])
+def test_linear_rows_at_two_threads_have_the_rollout_workers_one_thread_bits(k, n):
+    # a trainer runs at every core, the rollout workers at one thread: under `on` a row's bits must be the same
+    # in both and at any row count, also for shapes whose gemm splits K over threads at some row counts (on a
+    # 2-core Xeon: K=2048, N=768 at <= 256 rows; K=1536, N=512 at 64..192 rows)
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(600, k, generator=g), torch.randn(n, k, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = bi_linear(x, w)
+        torch.set_num_threads(2)
+        rows = {m: bi_linear(x[:m], w) for m in (1, 16, 40, 64, 128, 200, 256, 257, 600)}
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(out, ref[:m]) for m, out in rows.items()), [
+        m for m, out in rows.items() if not torch.equal(out, ref[:m])
+    ]
+
+
 def test_routing_ties_go_to_the_lowest_expert_id():
     w, i = route(torch.tensor([[0.0, 1.0, 1.0, 1.0]]), top_k=2, norm_topk_prob=True)
     assert i.tolist() == [[1, 2]]

@@ -5,8 +5,9 @@ serving engines and trainers use them: a row's result can depend on how many row
 `BATCH_INVARIANT_OPS` compute every row the same way whatever its batch-mates, batch size, padding or
 prefill/decode phase, so that the sampler and the trainer produce the same bits for the same token:
 - matmul: the CPU gemm picks kernels by row count (calls with < 12 rows give other bits), so short
-  calls are padded to ROW_TILE rows; shapes where a self-check finds larger calls vary too run as
-  fixed (ROW_TILE, K) x (K, N) tiles;
+  calls are padded to ROW_TILE rows; a self-check per shape (`gemm_mode`) compares the calls against one
+  thread's: shapes whose kernels split the K reduction over threads at some row counts run at one thread,
+  and shapes that vary even there as fixed (ROW_TILE, K) x (K, N) tiles;
 - attention: always over the fixed key length ctx_len (masked keys at -inf), short query blocks
   padded like matmul rows, so prefill, decode and training reduce each row the same way;
 - silu: x / (1 + exp(-x)) (torch's fused silu rounds its vector tail differently);
@@ -20,6 +21,7 @@ the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,11 +34,30 @@ from detrl.models import primitives
 from detrl.models.primitives import rms_norm
 
 ROW_TILE = 16
-_ROW_INVARIANT: dict[tuple[int, int, torch.dtype, str], bool] = {}
+_ROW_INVARIANT: dict[tuple[int, int, torch.dtype, str, int], str] = {}
+PROBE_ROWS = 512  # the probe's largest call; its sub-calls below cover each kernel regime met on 2-16 threads
+PROBE_SPANS = (16, 17, 23, 31, 32, 33, 64, 95, 128, 200, 257)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the enclosed ops at one intra-op thread (this process's count restored after): the count the
+    rollout workers run at, and the one where the CPU gemm's kernels never split the K reduction over threads."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def _tiled_linear(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Rows padded to a multiple of ROW_TILE, run as a bmm of fixed (ROW_TILE, K) x (K, N) tiles."""
+    """Rows padded to a multiple of ROW_TILE, run as a bmm of fixed (ROW_TILE, K) x (K, N) tiles: at one thread
+    every tile is the same gemm call, so a row's bits do not depend on the others (at several threads the bmm's
+    split over the tiles, hence the kernels, changes with their number)."""
     m, k = x2d.shape
     padded = -(-m // ROW_TILE) * ROW_TILE
     tiles = F.pad(x2d, (0, 0, 0, padded - m)).view(padded // ROW_TILE, ROW_TILE, k)  # [M/R, R, K]
@@ -44,39 +65,64 @@ def _tiled_linear(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.reshape(padded, w.shape[0])[:m]
 
 
-def _gemm_is_row_invariant(k: int, n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """Measure once per shape: do F.linear and batched matmul give each row the same bits for any
-    row count >= ROW_TILE?
+def _agrees(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Does F.linear (and the batched matmul) at this thread count give each row `ref`'s bits for every span?"""
+    k, n = x.shape[1], w.shape[0]
+    xb, wb, refb = x[:300].view(3, 100, k), w.t().expand(3, k, n), ref[:300].view(3, 100, n)
+    return (
+        torch.equal(F.linear(x, w), ref)
+        and all(torch.equal(F.linear(x[o : o + m], w), ref[o : o + m]) for m in PROBE_SPANS for o in (0, 5))
+        and all(
+            torch.equal(torch.matmul(xb[:, o : o + m], wb), refb[:, o : o + m])
+            for m in PROBE_SPANS[:8]
+            for o in (0, 5)
+        )
+    )
 
-    On torch 2.13 CPU (AVX512) they do (only calls with < 12 rows take other kernels); where they do
-    not, the ops below fall back to forms that are invariant by construction but slower. The answer is
-    measured on, and cached for, the device of the call (a CPU measurement never certifies a GPU).
-    """
+
+def gemm_mode(k: int, n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
+    """Measure once per shape how a (M, K) x (K, N) gemm gives each row the bits of a one-thread tiled call
+    (`_tiled_linear`, what the rollout workers' single thread computes) for any row count >= ROW_TILE:
+    "fast" F.linear and matmul at this process's thread count do; "serial" they do at one thread (on 2 threads
+    the CPU gemm splits the K reduction for some shapes and row counts: K=2048, N=768 at <= 256 rows, measured
+    on a Xeon); "tiled" neither (`_tiled_linear` at one thread). Measured on, and cached for, the device of the
+    call and this thread count (a CPU measurement never certifies a GPU)."""
     device = torch.device(device)
-    key = (k, n, dtype, f"{device.type}:{device.index or 0}" if device.type != "cpu" else "cpu")
+    place = f"{device.type}:{device.index or 0}" if device.type != "cpu" else "cpu"
+    key = (k, n, dtype, place, torch.get_num_threads())
     if key not in _ROW_INVARIANT:
         g = torch.Generator().manual_seed(k * 7919 + n)
-        x, w = (torch.randn(shape, generator=g).to(device, dtype) for shape in ((300, k), (n, k)))
-        xb, wb = x.view(3, 100, k), w.t().expand(3, k, n)
+        x, w = (torch.randn(shape, generator=g).to(device, dtype) for shape in ((PROBE_ROWS, k), (n, k)))
         with torch.no_grad():
-            ref = _tiled_linear(x, w)
-            _ROW_INVARIANT[key] = torch.equal(F.linear(x, w), ref) and all(
-                torch.equal(F.linear(x[o : o + m], w), ref[o : o + m])
-                and torch.equal(torch.matmul(xb[:, o : o + m], wb), ref.view(3, 100, n)[:, o : o + m])
-                for m in (16, 17, 23, 31, 32, 33, 64, 95)
-                for o in (0, 5)
-            )
+            with one_thread():
+                ref = _tiled_linear(x, w)
+                serial = _agrees(x, w, ref)
+            fast = serial and (torch.get_num_threads() == 1 or _agrees(x, w, ref))
+            _ROW_INVARIANT[key] = "fast" if fast else "serial" if serial else "tiled"
     return _ROW_INVARIANT[key]
 
 
+def _gemm_is_row_invariant(k: int, n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether F.linear and matmul at this thread count are row-invariant for this shape (`gemm_mode`)."""
+    return gemm_mode(k, n, dtype, device) == "fast"
+
+
 def bi_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T with per-row results independent of the number of rows. x (..., K), w (N, K)."""
+    """x @ w.T with per-row results independent of the number of rows (and equal to one thread's). x (..., K),
+    w (N, K)."""
     k = x.shape[-1]
-    invariant = _gemm_is_row_invariant(k, w.shape[0], x.dtype, x.device)
-    if invariant and x.numel() >= ROW_TILE * k:
+    mode = gemm_mode(k, w.shape[0], x.dtype, x.device)
+    if mode == "fast" and x.numel() >= ROW_TILE * k:
         return F.linear(x, w)
     rows = x.reshape(-1, k)  # [M, K]
-    out = F.linear(_pad_rows(rows), w)[: rows.shape[0]] if invariant else _tiled_linear(rows, w)
+    if mode == "tiled":
+        with one_thread():
+            out = _tiled_linear(rows, w)
+    elif mode == "serial":
+        with one_thread():
+            out = F.linear(rows if rows.shape[0] >= ROW_TILE else _pad_rows(rows), w)[: rows.shape[0]]
+    else:
+        out = F.linear(_pad_rows(rows), w)[: rows.shape[0]]
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
