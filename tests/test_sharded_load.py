@@ -3,7 +3,8 @@ safetensors equal, bitwise, torch.chunk of what from_pretrained(dtype=float32) l
 stored in bf16, dense untied, Qwen3-MoE's fused experts from a two-file index), a rank reads only its rows, the
 engine is filled by the streaming sync (no full model), the preflight runs on one block, and a 2-rank train.py
 run from the checkpoint gives the 1-rank run's fingerprints at every step (dense and MoE); so does a 2-rank run of
-the default warm start (no model.path), sharded from its cache directory.
+the default warm start (no model.path), sharded from its cache directory; and so does a 2-rank model.init=random
+run, each rank replaying only its rows of the seed's init (detrl.models.sharded_init), with the full build refused.
 
 One torchrun launch (this file's `worker`, ~45 s on 2 cores with the warm-start run and its SFT); the rest runs in
 this process.
@@ -235,6 +236,35 @@ def warm_start(out: Path, refuse) -> None:
     (out / f"warm-{distributed.rank()}.json").write_text(json.dumps(seen))
 
 
+def _check_random() -> dict:
+    """This rank's sharded random init (`init_sharded`) vs build_model's: DTensor shards, buffers, tie."""
+    from torch.distributed.tensor import DTensor
+
+    from detrl import distributed
+    from detrl.config import ModelConfig
+    from detrl.models.build import build_model
+    from detrl.models.sharded_init import init_sharded
+
+    rank, world, res = distributed.rank(), distributed.world_size(), {}
+    cfgs = {
+        "dense_tied": ModelConfig(name="qwen3", tie_word_embeddings=True),
+        "moe": ModelConfig(name="qwen3_moe"),
+    }
+    for name, cfg in cfgs.items():
+        model, full = init_sharded(cfg, 5, torch.device("cpu")), build_model(cfg, 5)
+        want, buffers = dict(full.named_parameters()), dict(full.named_buffers())
+        params = list(model.named_parameters())
+        res[name] = {
+            "params": all(isinstance(p, DTensor) for _, p in params)
+            and sorted(n for n, _ in params) == sorted(want)
+            and all(torch.equal(p.to_local(), torch.chunk(want[n].detach(), world)[rank]) for n, p in params),
+            "buffers": all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+            and len(buffers) == 2,
+            "tied": (model.lm_head.weight is model.model.embed_tokens.weight) == cfg.tie_word_embeddings,
+        }
+    return res
+
+
 def _worker(out: Path) -> None:
     from detrl import distributed
     from detrl.trainer import train
@@ -243,6 +273,7 @@ def _worker(out: Path) -> None:
 
     distributed.init()
     res = {name: _check_loaded(out / "ckpts" / name) for name in CKPTS}
+    res["random"] = _check_random()
     (out / f"loaded-{distributed.rank()}.json").write_text(json.dumps(res))
 
     def refuse(*args, **kwargs):
@@ -256,6 +287,10 @@ def _worker(out: Path) -> None:
 
     with mock.patch("detrl.builder.build_model", refuse):
         warm_start(out, refuse)
+        args = _train_args(
+            out / "two-random", "model.init=random", "algo.use_kl_loss=true"
+        )  # policy + reference
+        train(make_cfg(*[o for o in args if not o.startswith("run_dir=")]), out / "two-random")
         run("dense_tied_bf16", out / "two-dense_tied_bf16", "checkpoint.every=1")
         run("moe", out / "two-moe")
         if (
@@ -279,6 +314,7 @@ def two_ranks(tmp_path_factory) -> Path:
             out / f"one-{name}", f"model.path={out / 'ckpts' / name}", *extra, "algo.use_kl_loss=true"
         )
     _one_process(out / "one-warm", "algo.use_kl_loss=true")  # the session's cached warm start, loaded in full
+    _one_process(out / "one-random", "model.init=random", "algo.use_kl_loss=true")  # build_model, in full
     return out
 
 
@@ -297,9 +333,25 @@ def test_two_ranks_load_the_warm_start_sharded_and_give_the_one_rank_fingerprint
     assert numerics["preflight_model"].startswith("1 of 2 layers")  # preflight.first_block: a sharded model
 
 
+def test_two_ranks_replay_their_rows_of_the_random_init_and_give_the_one_rank_fingerprints(two_ranks):
+    """model.init=random on 2 ranks: policy and reference built sharded from the seed, each rank only its rows,
+    with the full build (build_model) refused: bitwise the 1-rank run's fingerprints at both steps; and each
+    rank's `init_sharded` shards (dense tied, MoE) equal torch.chunk of build_model's, buffers and tie too."""
+    for r in range(2):
+        res = json.loads((two_ranks / f"loaded-{r}.json").read_text())["random"]
+        for name, checks in res.items():
+            assert all(checks.values()), (r, name, checks)
+    two, one = _fps(two_ranks / "two-random"), _fps(two_ranks / "one-random")
+    assert len(two) == 2 and two == one
+    assert two[0][1] != two[1][1]  # fp/params moved: it trained
+    assert two[0][1] != _fps(two_ranks / "two-warm")[0][1]  # not the warm start's weights
+    numerics = json.loads((two_ranks / "two-random" / "numerics.json").read_text())
+    assert numerics["preflight_model"].startswith("1 of 2 layers")  # preflight.first_block: a sharded model
+
+
 def test_the_warm_start_is_one_checkpoint_dir_on_every_path(tmp_path, monkeypatch):
     """builder.checkpoint_dir: model.path, the warm start's cache directory (what load_or_build reads), or none
-    (random init); `sharded_build` follows it under W > 1 only."""
+    (random init); `sharded_build` is every init under W > 1, none at W = 1."""
     from detrl import builder, distributed
     from detrl.data import tokenizer_for
     from detrl.warmstart import warmstart_dir
@@ -311,7 +363,9 @@ def test_the_warm_start_is_one_checkpoint_dir_on_every_path(tmp_path, monkeypatc
     assert builder.checkpoint_dir(rand, tok) is None and builder.checkpoint_dir(path, tok) == tmp_path
     assert not any(builder.sharded_build(c) for c in (warm, rand, path))  # one rank: built in full
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
-    assert [builder.sharded_build(c) for c in (warm, rand, path)] == [True, False, True]
+    assert [builder.sharded_build(c) for c in (warm, rand, path)] == [
+        True
+    ] * 3  # a random init too (sharded_init)
 
 
 def test_a_two_rank_run_from_a_checkpoint_resumes_exactly(two_ranks):
@@ -326,7 +380,7 @@ def test_a_two_rank_run_from_a_checkpoint_resumes_exactly(two_ranks):
 def test_two_ranks_load_their_shards_engines_and_preflight_from_the_file(two_ranks):
     for r in range(2):
         res = json.loads((two_ranks / f"loaded-{r}.json").read_text())
-        for name in CKPTS:
+        for name in CKPTS:  # (res["random"]: the random init's, checked above)
             assert all(res[name].values()), (r, name, res[name])
 
 

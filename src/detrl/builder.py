@@ -31,10 +31,11 @@ def checkpoint_dir(cfg: TrainConfig, tokenizer) -> Path | None:
 
 
 def sharded_build(cfg: TrainConfig) -> bool:
-    """Whether the policy (and reference) are built sharded from `checkpoint_dir` (`models.sharded_load`): under
-    torchrun with W > 1, from model.path or the warm start's cache. A random-init model is still built in full on
-    every rank, then sharded by the trainer; a one-rank run builds in full as ever."""
-    return cfg.model.from_checkpoint() and distributed.world_size() > 1
+    """Whether the policy (and reference) are built sharded: under torchrun with W > 1, every init: from
+    `checkpoint_dir` (model.path or the warm start's cache, `models.sharded_load`) or the seed's random init
+    (`models.sharded_init`: each rank materialises only its rows, the full build's bits); a one-rank run builds in
+    full as ever."""
+    return plan.builds_sharded(distributed.world_size())
 
 
 def load_sharded_policy(
@@ -42,10 +43,16 @@ def load_sharded_policy(
 ) -> torch.nn.Module:
     """`checkpoint_dir`'s model, FSDP2-sharded on `device`, each rank's rows read from the file (collective-free).
     The warm start is built and cached first when missing (rank 0, under `distributed.main_first`: its full
-    model dropped), so that every rank, rank 0 included, loads the same shards of the same file."""
+    model dropped), so that every rank, rank 0 included, loads the same shards of the same file. A random init
+    (no checkpoint dir): `init_sharded`, each rank's rows of build_model(cfg.model, cfg.seed)."""
+    from detrl.models.sharded_init import init_sharded
     from detrl.models.sharded_load import load_sharded
 
     path = checkpoint_dir(cfg, tokenizer)
+    if (
+        path is None
+    ):  # model.init=random: draws from its own seeded stream (under fork_rng), as build_model does
+        return init_sharded(cfg.model, cfg.seed, device or torch.device("cpu"), ordered)
     if cfg.model.path is None and not is_cached(path):  # the warm start, missing: built as one rank builds it
         device_type = resolve_device(cfg.device).type
         build_and_cache(path, cfg.model, cfg.warmstart, tokenizer, task, ctx_len, device_type)
@@ -59,8 +66,8 @@ def load_policy(
     cfg: TrainConfig, tokenizer, task, ctx_len: int, device: torch.device | None = None, ordered: bool = True
 ) -> torch.nn.Module:
     """model.path's weights (float32), the cached warm start (arithmetic), or a fresh model from the seed. Under
-    `sharded_build`: FSDP2-sharded on `device` from `checkpoint_dir` (`load_sharded_policy`), in eval mode as
-    from_pretrained leaves a model; else a full model on CPU."""
+    `sharded_build`: FSDP2-sharded on `device` (`load_sharded_policy`: from `checkpoint_dir`, in eval mode as
+    from_pretrained leaves a model; or the random init's rows); else a full model on CPU."""
     if sharded_build(cfg):
         return load_sharded_policy(cfg, tokenizer, task, ctx_len, device, ordered)
     if cfg.model.path is None and cfg.model.init == "warmstart":
@@ -91,7 +98,7 @@ def build(cfg: TrainConfig):
     rt = runtime.make(det, device, dtype, cfg.activation_checkpointing, ctx_len)
     # the memory plan, before the model exists: a run that cannot fit is refused in one line
     plan.require_fits(cfg, ctx_len, distributed.world_size(), rt.device)
-    # float32 master weights (sharded from model.path or the warm start's file under torchrun; else full)
+    # float32 master weights (sharded under torchrun: from model.path, the warm start's file or the seed; else full)
     model = load_policy(cfg, tokenizer, task, ctx_len, rt.device, det.ordered_reduce)
     if not distributed.is_sharded(model):  # (a sharded one is on rt.device already)
         model = model.to(rt.device)

@@ -193,19 +193,14 @@ def build_models(cfg: TrainConfig):
 
 def reference(cfg: TrainConfig, tokenizer, task, rt, model, ordered: bool) -> torch.nn.Module | None:
     """The frozen reference when a KL term needs it (else None). One process: a copy of the policy. Sharded (the
-    policy already is): from model.path or the warm start, sharded from the file as the policy was (never full);
-    a random init built again from the seed (the same bits) and sharded in turn, so that no rank holds two full
-    models at once."""
+    policy already is, `sharded_build`): built sharded as the policy was, from model.path or the warm start's file,
+    or the seed's random init (the same bits, each rank its rows): never a full model on a rank. Draws nothing
+    from the run's stream (as a copy does not)."""
     if not (cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward):
         return None
     if not distributed.is_sharded(model):
         return copy.deepcopy(model).eval().requires_grad_(False)
-    if sharded_build(cfg):  # sharded from the file as the policy was: never a full model on a rank
-        return load_policy(cfg, tokenizer, task, rt.ctx_len, rt.device, ordered).eval().requires_grad_(False)
-    with torch.random.fork_rng(devices=[]):  # a load draws nothing from the run's stream (as a copy does not)
-        ref = load_policy(cfg, tokenizer, task, rt.ctx_len).to(rt.device).eval().requires_grad_(False)
-    distributed.shard(ref, ordered=ordered)
-    return ref
+    return load_policy(cfg, tokenizer, task, rt.ctx_len, rt.device, ordered).eval().requires_grad_(False)
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -229,9 +224,7 @@ def start(cfg: TrainConfig, run_dir: Path, group: str) -> Run:
     if world > 1:  # FSDP2 over the trainer's models; this rank's engine serves its share of each generate
         # the update's passes gather each block themselves in the shards' fp32 (fsdp.Gather) and reduce its
         # gradient in its backward; compute= (bf16 gathers through FSDP2's hooks) is not used by them.
-        # model.path / warm start: built sharded already (builder.sharded_build); random init: sharded here
-        if not distributed.is_sharded(model):
-            distributed.shard(model, ordered=det.ordered_reduce)
+        # every init is built sharded already at W > 1 (builder.sharded_build)
         engine = RankEngine(engine, det)
     ref_model = reference(cfg, tokenizer, task, rt, model, det.ordered_reduce)
     dp = distributed.DataParallel(model, ordered=det.ordered_reduce)

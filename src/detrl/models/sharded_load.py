@@ -170,17 +170,20 @@ def fill_buffers(model: torch.nn.Module, reader: Reader) -> None:
                 )
 
 
+def fill_one(name: str, p: torch.Tensor, shard: torch.Tensor, rank: int, where: str) -> None:
+    """Parameter `name`'s local shard (FSDP2's, or the whole tensor unsharded) set to `shard`, in place."""
+    local = p.to_local() if hasattr(p, "to_local") else p
+    if shard.shape != local.shape:
+        raise ShardLoadError(
+            f"tensor {name!r}: rank {rank}'s shard of {where} is {list(shard.shape)}, FSDP2's is {list(local.shape)}"
+        )
+    local.copy_(shard)
+
+
 def fill_params(model: torch.nn.Module, reader: Reader, rank: int, world: int) -> None:
     """Each parameter's local shard (a tied one once) filled from the file, in place."""
     for name, p in model.named_parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        shard = shard_of(reader, name, p.shape, rank, world)
-        if shard.shape != local.shape:
-            raise ShardLoadError(
-                f"tensor {name!r}: rank {rank}'s shard of {reader.where()} is {list(shard.shape)}, "
-                f"FSDP2's is {list(local.shape)}"
-            )
-        local.copy_(shard)
+        fill_one(name, p, shard_of(reader, name, p.shape, rank, world), rank, reader.where())
 
 
 def load_sharded(

@@ -129,18 +129,24 @@ def context_bound(cfg: TrainConfig) -> int:
     return -(-(cfg.data.max_prompt_length + new) // 8) * 8
 
 
+def builds_sharded(world: int) -> bool:
+    """The one decider of the construction (`builder.sharded_build`, `config_layout`): on several ranks every init
+    is built sharded (model.path and the warm start from the file, models/sharded_load.py; a random init from the
+    seed, each rank its rows, models/sharded_init.py); one rank builds the whole model."""
+    return world > 1
+
+
 def config_layout(lay: Layout, cfg: TrainConfig, world: int) -> Layout:
     """What the code does for this config: `rollout.scheduler=continuous` (the default) runs the paged engine, whose
     pool holds `rollout.kv_pool_tokens` (or, automatic, at most `rollout.kv_pool_max_tokens`) and is released while
-    the trainer updates (cuda_paged.CudaPagedEngine.release), `static` the bucketed caches; a run loading its
-    weights from a checkpoint directory (`ModelConfig.from_checkpoint`: model.path, or the warm start's cache) on
-    several ranks is built sharded from the file (models/sharded_load.py; the preflight on one block), a
-    random-init one whole on every rank, then sharded."""
+    the trainer updates (cuda_paged.CudaPagedEngine.release), `static` the bucketed caches; a run on several ranks
+    is built sharded (`builds_sharded`: from model.path or the warm start's file, or a random init from the seed;
+    the preflight on one block)."""
     r = cfg.rollout
     kv = {"kv": "static"}
     if r.scheduler == "continuous":
         kv = {"kv": "paged", "kv_cap_tokens": r.kv_pool_tokens or r.kv_pool_max_tokens}
-    construct = "sharded" if cfg.model.from_checkpoint() and world > 1 else "full"
+    construct = "sharded" if builds_sharded(world) else "full"
     return dataclasses.replace(lay, construct=construct, **kv)
 
 

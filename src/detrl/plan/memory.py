@@ -251,7 +251,7 @@ def preflight(s: Shapes, w: Workload, lay: Layout, world: int, seqs: int = 8) ->
     """Before step 0 (models/preflight.py; the reference and the engine are built after it): `full` construction
     holds the whole fp32 policy on every rank, fuses it (a cast copies all), scores [8, ctx_len] as the trainer
     does (`scoring`: the lm_head in row chunks, no [8, ctx_len, V] logits), then prefills and decodes the 8 rows
-    through a [8, ctx_len] KV cache of every layer; `sharded` (a model.path or warm-start run on several ranks):
+    through a [8, ctx_len] KV cache of every layer; `sharded` (any run on several ranks):
     the rank's shards, the root group and block 0 gathered and fused (`first_block`), one block's check (its
     activations, the head in chunks, one layer's cache)."""
     c = w.compute_bytes
