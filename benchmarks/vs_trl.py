@@ -7,11 +7,12 @@ prompts per step), 4 samples each, up to 16 new tokens, GRPO without a reference
 step per rollout batch, the clip ratio's old logprobs taken from the gradient pass on both sides (TRL at
 num_iterations=1; detrl's algo.old_logprobs=current), CPU, and the same numerics: fp32 weights and compute,
 no autocast, no activation recomputation. TRL's GRPOConfig defaults are GPU defaults (bf16=True autocast,
-gradient_checkpointing=True): the matched row turns both off; a second TRL row keeps its defaults, for
-reference only (other work).
-Runs alternate (detrl off, detrl on, TRL matched, TRL defaults) for `--rounds` rounds; the first 2 steps
-of every run are warm-up; the table shows the median step time over the rest, and ratios against the
-matched TRL row.
+gradient_checkpointing=True): the matched rows turn both off; a last TRL row keeps its defaults, for
+reference only (other work). The matched TRL row runs at the process's intra-op threads and at one thread (on
+2 cores TRL's step is faster at one: its ops are small), and the ratios are taken against the faster of the two,
+TRL at its best; detrl runs as `python train.py` does, plus `off` at one thread.
+Runs alternate (the table's rows, in order) for `--rounds` rounds; the first 2 steps of every run are warm-up;
+the table shows the median step time over the rest.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import detrl  # noqa: F401 - before torch: it sets how idle OpenMP threads wait (detrl/__init__.py)
@@ -31,6 +33,7 @@ from hydra import compose, initialize_config_dir
 
 from detrl.config import ModelConfig, register_configs, to_typed
 from detrl.data import ArithmeticTask, build_tokenizer, exact_match_reward
+from detrl.distributed import intra_op_threads
 from detrl.models.build import build_model
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -147,77 +150,87 @@ def trl_steps(steps: int, out: Path, numerics: dict) -> list[float]:
     return times[WARMUP:]
 
 
+def rows(threads: int) -> dict[str, tuple]:
+    """The table's rows: name -> (key, intra-op threads (None: the process's), run(steps, out) -> step times).
+    TRL's matched row runs at the process's threads and at one: on 2 cores its `generate` and update are faster at
+    one (many small ops); ratios are taken against the faster matched row (a peer at its best). detrl's rows run
+    as `python train.py` does (the process's threads), plus `off` at one thread."""
+    return {
+        f"detrl, determinism=off ({threads} threads)": ("detrl_off", None, partial(detrl_steps, "off")),
+        f"detrl, determinism=on ({threads} threads)": ("detrl_on", None, partial(detrl_steps, "on")),
+        "detrl, determinism=off (1 thread)": ("detrl_off_1thread", 1, partial(detrl_steps, "off")),
+        f"TRL GRPOTrainer, same numerics ({threads} threads)": (
+            "trl_matched", None, partial(trl_steps, numerics=TRL_MATCHED),
+        ),
+        "TRL GRPOTrainer, same numerics (1 thread)": (
+            "trl_matched_1thread", 1, partial(trl_steps, numerics=TRL_MATCHED),
+        ),
+        f"TRL GRPOTrainer, its defaults ({threads} threads; bf16=True autocast, gradient_checkpointing=True): "
+        "reference only": ("trl_defaults", None, partial(trl_steps, numerics=TRL_DEFAULTS)),
+    }  # fmt: skip
+
+
+MATCHED = ("trl_matched", "trl_matched_1thread")  # TRL at the same numerics; the faster is the reference
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument(
-        "--json", type=Path, help="also write the figures here (step_s, vs_trl, per_round, settings)"
+        "--json",
+        type=Path,
+        help="also write the figures here (step_s, vs_trl, per_round, trl_best, settings)",
     )
     args = ap.parse_args()
     register_configs()
-    matched = "TRL GRPOTrainer, same numerics (bf16=False, gradient_checkpointing=False)"
-    defaults = (
-        "TRL GRPOTrainer, its defaults (bf16=True autocast, gradient_checkpointing=True): reference only"
-    )
-    times: dict[str, list[float]] = {
-        "detrl, determinism=off": [],
-        "detrl, determinism=on": [],
-        matched: [],
-        defaults: [],
-    }
+    table = rows(torch.get_num_threads())
+    times: dict[str, list[float]] = {key: [] for key, _, _ in table.values()}
     per_round: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            this = {
-                "detrl, determinism=off": detrl_steps("off", args.steps, Path(tmp) / f"off{r}"),
-                "detrl, determinism=on": detrl_steps("on", args.steps, Path(tmp) / f"on{r}"),
-                matched: trl_steps(args.steps, Path(tmp) / f"trl{r}", TRL_MATCHED),
-                defaults: trl_steps(args.steps, Path(tmp) / f"trld{r}", TRL_DEFAULTS),
-            }
-            for k, v in this.items():
-                times[k] += v
+            this = {}
+            for key, threads, run in table.values():
+                with intra_op_threads(threads):
+                    this[key] = run(args.steps, Path(tmp) / f"{key}{r}")
+                times[key] += this[key]
             per_round.append({k: statistics.median(v) for k, v in this.items()})
     shown = non_default_args(TRL_MATCHED)
     print(
-        f"\nTRL {__import__('trl').__version__} GRPOConfig arguments that differ from its defaults (matched row): "
+        f"\nTRL {__import__('trl').__version__} GRPOConfig arguments that differ from its defaults (matched rows): "
         + ", ".join(f"{k}={v!r}" for k, v in sorted(shown.items()))
     )
-    trl = statistics.median(times[matched])
+    figures = summarize(times, per_round)
     print(
-        f"\n{PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, GRPO, no reference model, CPU "
-        f"({torch.get_num_threads()} threads), fp32; median of {args.rounds} x {args.steps - WARMUP} steps\n"
+        f"\n{PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, GRPO, no reference model, CPU, fp32; "
+        f"median of {args.rounds} x {args.steps - WARMUP} steps; ratios against {figures['trl_best']} "
+        "(the faster TRL row at the same numerics)\n"
     )
-    print("| trainer | median step (s) | vs TRL (same numerics) | per round |\n|---|---|---|---|")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        rounds = ", ".join(f"{pr[name] / pr[matched]:.2f}x" for pr in per_round)
-        print(f"| {name} | {med:.3f} | {med / trl:.2f}x | {rounds} |")
+    print("| trainer | median step (s) | vs TRL at its best (same numerics) | per round |\n|---|---|---|---|")
+    for name, (key, _, _) in table.items():
+        rounds = ", ".join(f"{pr[key]:.2f}x" for pr in figures["per_round"])
+        print(f"| {name} | {figures['step_s'][key]:.3f} | {figures['vs_trl'][key]:.2f}x | {rounds} |")
     if args.json:
-        write_json(args.json, times, per_round, matched, shown)
+        workload = dict(prompts=PROMPTS, samples=SAMPLES, max_new_tokens=NEW_TOKENS, warmup_steps=WARMUP)
+        figures.update(
+            workload=workload,
+            trl_args_not_default={k: repr(v) for k, v in shown.items()},
+            threads=torch.get_num_threads(),
+        )
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
 
 
-JSON_KEYS = ("detrl_off", "detrl_on", "trl_matched", "trl_defaults")  # the rows of `times`, in order
-
-
-def write_json(path: Path, times: dict, per_round: list[dict], matched: str, shown: dict) -> None:
-    """The table's figures under short keys: median step seconds, each row / TRL matched, per round."""
-    names = dict(zip(times, JSON_KEYS))
-    trl = statistics.median(times[matched])
-    figures = {
-        "step_s": {names[k]: statistics.median(v) for k, v in times.items()},
-        "vs_trl": {names[k]: statistics.median(v) / trl for k, v in times.items()},
-        "per_round": [{names[k]: v / pr[matched] for k, v in pr.items()} for pr in per_round],
-        "workload": {
-            "prompts": PROMPTS,
-            "samples": SAMPLES,
-            "max_new_tokens": NEW_TOKENS,
-            "warmup_steps": WARMUP,
-        },
-        "trl_args_not_default": {k: repr(v) for k, v in shown.items()},
-        "threads": torch.get_num_threads(),
+def summarize(times: dict[str, list[float]], per_round: list[dict[str, float]]) -> dict:
+    """Median step seconds per row; each row / the faster matched TRL row (overall, and per round against that
+    round's faster matched row)."""
+    step_s = {k: statistics.median(v) for k, v in times.items()}
+    best = min(MATCHED, key=step_s.__getitem__)
+    return {
+        "step_s": step_s,
+        "trl_best": best,
+        "vs_trl": {k: v / step_s[best] for k, v in step_s.items()},
+        "per_round": [{k: v / min(pr[m] for m in MATCHED) for k, v in pr.items()} for pr in per_round],
     }
-    path.write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

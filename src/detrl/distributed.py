@@ -110,6 +110,18 @@ def pin_threads(ordered: bool) -> int:
     return torch.get_num_threads()
 
 
+@contextlib.contextmanager
+def intra_op_threads(n: int | None):
+    """Run a block at n intra-op threads (None: as it is), then restore the count (a benchmark's peer at its best:
+    on 2 cores small-op workloads such as transformers' `generate` run faster at one thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def close() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
