@@ -288,7 +288,6 @@ def test_trainer_threads_are_a_plain_processs():
     assert trainer_threads({"OMP_NUM_THREADS": "1"}, 16, 2, False) is None  # off: torchrun's
 
 
-
 def test_intra_op_threads_sets_then_restores_even_on_error():
     from detrl.distributed import intra_op_threads
 
@@ -299,6 +298,7 @@ def test_intra_op_threads_sets_then_restores_even_on_error():
         assert torch.get_num_threads() == before + 1
         raise RuntimeError("a benchmark row failed")
     assert torch.get_num_threads() == before
+
 
 if __name__ == "__main__" and sys.argv[1] == "worker":
     _worker(Path(sys.argv[2]))
