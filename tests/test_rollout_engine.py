@@ -239,3 +239,28 @@ def test_the_engines_size_their_pools_from_the_spec():
     assert pag.core.num_blocks == 32  # its own default: 8 contexts within the cap of 65,536 tokens
     pag = CudaPagedEngine(model, BATCH_INVARIANT_OPS, 64, PARAMS, seed=0, device="cpu", pool=spec)
     assert (pag.core.num_blocks, pag.core.block_size, pag.core.chunk) == (20, 16, 8)
+
+
+def test_the_gather_reads_the_rows_blocks_and_zeros_past_them_as_the_full_gather_does():
+    """write_read gathers only the slots the widest row's blocks hold into a reused buffer: whatever the steps
+    before (wider, narrower, more rows, fewer), its keys and values equal gathering all ctx_len slots."""
+    config, bs, blocks, ctx = tiny_model("qwen3").config, 4, 12, 40
+    pool = KVPool(config, blocks, bs, torch.float32, ctx)
+    g = torch.Generator().manual_seed(0)
+    zero = torch.cat([h * pool.size + blocks * bs + torch.arange(bs) for h in range(pool.hkv)])
+    for layer in range(len(pool.k)):
+        for t in (pool.k[layer], pool.v[layer]):
+            t.copy_(torch.randn(t.shape, generator=g))
+            t[zero] = 0  # the zero block: what slots past a row's blocks read
+    for tables in ([[0, 1], [2, 3, 4, 5, 6], [7]], [[8], [9]], [[0, 1, 2, 3, 4, 5], [6, 7], [8], [9, 10]],
+                   [[1]], [list(range(10))], [[3], [4, 5]]):  # fmt: skip
+        slots = pool.slots(tables)
+        full = (slots[:, None, :] + pool._heads[None, :, None]).reshape(-1)
+        b, d = len(tables), config.head_dim
+        k = v = torch.zeros(b, pool.hkv, 1, d)
+        plan = pool.plan(torch.zeros(b, 1, dtype=torch.long), torch.zeros(b, 1, dtype=torch.bool), slots)
+        assert plan[2].shape[-1] == min(ctx, bs * max(map(len, tables)))
+        for layer in range(len(pool.k)):
+            keys, values = pool.write_read(layer, k, v, plan)
+            assert torch.equal(keys, pool.k[layer].index_select(0, full).view(b, pool.hkv, ctx, d))
+            assert torch.equal(values, pool.v[layer].index_select(0, full).view(b, pool.hkv, ctx, d))

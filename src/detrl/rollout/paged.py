@@ -107,6 +107,7 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.block_bytes = 2 * layers * block_size * self.hkv * shape[1] * self.k[0].element_size()
         self._heads = torch.arange(self.hkv, device=device) * self.size  # [Hkv] offset of each head's slots
+        self._bufs: dict[int, list] = {}  # keys (0), values (1): the gather's reused buffers (`_gather`)
 
     def mask(self, positions: torch.Tensor, slots: torch.Tensor):
         """What the op set's attention takes as its mask: [B, 1, T, ctx_len] key <= the query's position."""
@@ -125,23 +126,45 @@ class KVPool:
         ]
 
     def plan(self, write: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor) -> tuple:
-        """The flat indices one step's layers share: where tokens [B, T] (where `valid`) write, what rows
-        [B, ctx_len] read, per head."""
+        """The flat indices one step's layers share: where tokens [B, T] (where `valid`) write, what rows read
+        per head: [B, Hkv, W], the first W of their ctx_len slots, W the most blocks any row holds (every slot
+        past W is the zero block's, in every row)."""
         w = write[:, None, :] + self._heads[None, :, None]  # [B, Hkv, T]
         mask = valid[:, None, :].expand_as(w).reshape(-1)
-        read = slots[:, None, :] + self._heads[None, :, None]  # [B, Hkv, ctx_len]
+        width = int(
+            (slots < self.blocks * self.block_size).sum(1).max()
+        )  # tables are real blocks, then zeros
+        read = slots[:, None, :width] + self._heads[None, :, None]  # [B, Hkv, W]
         return w.reshape(-1)[mask], mask, read
 
     def write_read(self, layer: int, k, v, plan: tuple):
-        """Write k, v [B, Hkv, T, D] at the plan's slots, then gather keys, values [B, Hkv, ctx_len, D]."""
+        """Write k, v [B, Hkv, T, D] at the plan's slots, then gather keys, values [B, Hkv, ctx_len, D]: the
+        plan's W slots, zeros past them (the zero block's values, without gathering them)."""
         idx, mask, read = plan
         d = k.shape[-1]
         self.k[layer].index_copy_(0, idx, k.reshape(-1, d)[mask])
         self.v[layer].index_copy_(0, idx, v.reshape(-1, d)[mask])
-        flat, shape = read.reshape(-1), (*read.shape, d)
-        return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(
-            shape
-        )
+        return self._gather(0, self.k[layer], read, d), self._gather(1, self.v[layer], read, d)
+
+    def _gather(self, which: int, pool: torch.Tensor, read: torch.Tensor, d: int) -> torch.Tensor:
+        """The rows' W slots into a reused [B, Hkv, ctx_len, D] buffer (one for keys, one for values, shared by
+        the layers: a layer's are read before the next layer gathers) whose slots past W are kept zero, the zero
+        block's values: the gather reads W slots a row, not ctx_len."""
+        b, h, width = read.shape
+        rows = pool.index_select(0, read.reshape(-1)).view(b, h, width, d)
+        if width == self.ctx_len:
+            return rows
+        bufs = self._bufs.get(which)
+        if bufs is None or bufs[0].shape[0] < b:
+            bufs = [pool.new_zeros((b, h, self.ctx_len, d)), 0]  # [buffer, the widest slot written + 1]
+            self._bufs[which] = bufs
+        buf, dirty = bufs
+        if dirty > width:
+            buf[:, :, width:dirty].zero_()
+        bufs[1] = width
+        out = buf[:b]
+        out[:, :, :width] = rows
+        return out
 
 
 class BlockManager:
