@@ -9,7 +9,7 @@ from detrl.models import BATCH_INVARIANT_OPS, DEFAULT_OPS, build_model
 from detrl.models.forward import fuse
 from detrl.rollout import EmbeddedEngine, Request, SamplingParams
 from detrl.rollout.cuda_paged import CudaPagedEngine
-from detrl.rollout.paged import KVPool, PoolSpec, kv_token_bytes, pool_blocks
+from detrl.rollout.paged import KVPool, LivePool, PoolSpec, kv_token_bytes, pool_blocks, pool_for
 from detrl.rollout.scheduler import EngineCore
 from tests.rollout_helpers import EOS, group_requests, tiny_model
 
@@ -264,3 +264,30 @@ def test_the_gather_reads_the_rows_blocks_and_zeros_past_them_as_the_full_gather
             keys, values = pool.write_read(layer, k, v, plan)
             assert torch.equal(keys, pool.k[layer].index_select(0, full).view(b, pool.hkv, ctx, d))
             assert torch.equal(values, pool.v[layer].index_select(0, full).view(b, pool.hkv, ctx, d))
+
+
+def test_the_default_kernels_read_the_rows_slots_only_and_attend_as_over_ctx_len():
+    """Under torch's SDPA (determinism off) the engine reads as a serving engine does: keys [B, Hkv, W, D] for the
+    W slots the widest row holds, not ctx_len; the attention agrees with the fixed-length one to rounding."""
+    assert pool_for(DEFAULT_OPS) is LivePool and pool_for(BATCH_INVARIANT_OPS) is KVPool
+    assert type(_run("qwen3", _requests(1, 2), ops=DEFAULT_OPS)[1].pool) is LivePool
+    config, bs, ctx = tiny_model("qwen3").config, 4, 40
+    pools = [cls(config, 12, bs, torch.float32, ctx) for cls in (KVPool, LivePool)]
+    g = torch.Generator().manual_seed(0)
+    tables, t, d = [[0, 1], [2, 3, 4], [5]], 3, config.head_dim
+    slots = pools[0].slots(tables)
+    positions = torch.tensor([[5, 6, 7], [9, 10, 11], [1, 2, 3]])
+    valid = torch.ones(3, t, dtype=torch.bool)
+    k, v = (torch.randn(3, pools[0].hkv, t, d, generator=g) for _ in range(2))
+    q = torch.randn(3, config.num_attention_heads, t, d, generator=g)
+    zero = pools[0].size * torch.arange(pools[0].hkv)[:, None] + 12 * bs + torch.arange(bs)  # the zero block
+    out = []
+    for pool in pools:  # the same random pool contents in both, the zero block kept zero
+        for i, kv in enumerate((pool.k[0], pool.v[0])):
+            kv.normal_(generator=torch.Generator().manual_seed(i))[zero] = 0
+        plan = pool.plan(slots.gather(1, positions), valid, slots)
+        keys, values = pool.write_read(0, k, v, plan)
+        mask = pool.mask(positions, slots)
+        out.append(DEFAULT_OPS.attention(q, keys, values, mask, d**-0.5))
+        assert keys.shape[2] == mask.shape[-1] == (ctx if pool is pools[0] else 3 * bs)
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-6)

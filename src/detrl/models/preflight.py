@@ -207,11 +207,11 @@ def check_paged(weights: Weights, ops: Ops, ctx_len: int, rope, ids, full, promp
 
 
 def _paged_pool(weights: Weights, ops: Ops, ctx_len: int, blocks: int, size: int):
-    """(ops, pool) as the run's engine on this device builds them (CPU worker: the ops as given, KVPool)."""
+    """(ops, pool) as the run's engine on this device builds them (CPU worker: the ops as given, `pool_for` them)."""
     from detrl.rollout.cuda_paged import device_ops
-    from detrl.rollout.paged import KVPool
+    from detrl.rollout.paged import pool_for
 
-    pool_type = KVPool
+    pool_type = pool_for(ops)
     if ops.name.startswith("cuda_"):  # the CUDA op sets (on CPU too: Triton's interpreter, in the tests)
         ops, pool_type = device_ops(ops)
     return ops, pool_type(

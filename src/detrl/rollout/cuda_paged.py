@@ -24,7 +24,7 @@ from detrl.models.forward import engine_copy
 from detrl.models.ops import Ops, sdpa_attention
 from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.batching import check_fits, prompt_groups
-from detrl.rollout.paged import KVPool, PoolSpec, kv_token_bytes
+from detrl.rollout.paged import KVPool, LivePool, PoolSpec, kv_token_bytes, pool_for
 from detrl.rollout.scheduler import EngineCore
 from detrl.rollout.weight_views import copy_into
 
@@ -53,11 +53,12 @@ class KernelPool(KVPool):
 def device_ops(ops: Ops) -> tuple[Ops, type]:
     """The engine's op set on a device and its pool type (weights pre-cast: no dtype, no recomputation): under
     the invariant set attention reads the pool in place (`KernelPool`, the Triton paged kernel), otherwise the
-    keys are gathered (`KVPool`) and torch SDPA runs under the mask. The preflight checks this same path."""
+    keys of the rows' blocks are gathered (`LivePool`) and torch SDPA runs under the mask. The preflight checks
+    this same path."""
     invariant = ops.name == INVARIANT_OPS
     attention = _paged_attention if invariant else sdpa_attention
     return dataclasses.replace(ops, dtype=None, checkpoint=False, attention=attention), (
-        KernelPool if invariant else KVPool
+        KernelPool if invariant else LivePool
     )
 
 
@@ -82,7 +83,7 @@ class CudaPagedEngine:
         self.config = model.config
         on_cpu = self.device.type == "cpu"
         if on_cpu:  # the CPU worker's setup: the op set as given, weights fused in its compute dtype
-            self.ops, pool_type, wdtype = ops, KVPool, ops.dtype
+            self.ops, pool_type, wdtype = ops, pool_for(ops), ops.dtype
         else:  # as CudaEngine: the weights cast once, the op set's attention per determinism
             (self.ops, pool_type), wdtype = device_ops(ops), dtype
         # (an FSDP2-sharded model: empty, filled by the caller's streaming weight sync)

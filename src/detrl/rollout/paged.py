@@ -4,9 +4,12 @@ As nano-vllm's block manager: a full block is keyed by a chain hash of its token
 token's keys and values depend on those only, for fixed weights), so the n samples of a prompt and a partial
 rollout's continuation find the blocks already computed and take a reference instead of recomputing them. A
 block whose count drops to 0 goes back to the free list but keeps its hash until it is handed out again.
-Attention reads the pool through the block table: each row's `ctx_len` key slots are gathered (slots past
-the sequence point at a zero block) and the op set's attention runs over all of them under the mask, exactly
-as the trainer's whole-sequence pass and the static engine's cache do, so the bits do not depend on the layout.
+Attention reads the pool through the block table. For the batch-invariant attention (`KVPool`) each row has
+`ctx_len` key slots (slots past the sequence are zeros, the zero block's) and the attention runs over all of
+them under the mask, exactly as the trainer's whole-sequence pass and the static engine's cache do, so the bits
+do not depend on the layout; only the slots the rows' blocks hold are gathered. For torch's SDPA (`LivePool`,
+determinism off) the keys are those slots only, as a serving engine's paged attention reads them: the key
+length follows the batch's widest row.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from detrl.models.forward import Weights, layer_post, layer_pre
-from detrl.models.ops import Ops
+from detrl.models.ops import Ops, sdpa_attention
 
 
 @dataclass(frozen=True)
@@ -131,11 +134,12 @@ class KVPool:
         past W is the zero block's, in every row)."""
         w = write[:, None, :] + self._heads[None, :, None]  # [B, Hkv, T]
         mask = valid[:, None, :].expand_as(w).reshape(-1)
-        width = int(
-            (slots < self.blocks * self.block_size).sum(1).max()
-        )  # tables are real blocks, then zeros
-        read = slots[:, None, :width] + self._heads[None, :, None]  # [B, Hkv, W]
+        read = slots[:, None, : self.width(slots)] + self._heads[None, :, None]  # [B, Hkv, W]
         return w.reshape(-1)[mask], mask, read
+
+    def width(self, slots: torch.Tensor) -> int:
+        """W: the slots the widest row of [B, ctx_len] holds in real blocks (tables are real blocks, then zeros)."""
+        return int((slots < self.blocks * self.block_size).sum(1).max())
 
     def write_read(self, layer: int, k, v, plan: tuple):
         """Write k, v [B, Hkv, T, D] at the plan's slots, then gather keys, values [B, Hkv, ctx_len, D]: the
@@ -165,6 +169,27 @@ class KVPool:
         out = buf[:b]
         out[:, :, :width] = rows
         return out
+
+
+class LivePool(KVPool):
+    """A pool read as a serving engine's paged attention reads it: the keys of the W slots the step's widest row
+    holds, not ctx_len; the key length, hence the attention's reduction, changes with the batch's make-up. For
+    an attention that reduces over any length (torch's SDPA); the batch-invariant one needs ctx_len (KVPool)."""
+
+    def mask(self, positions: torch.Tensor, slots: torch.Tensor):
+        """[B, 1, T, W] key <= the query's position."""
+        keys = torch.arange(self.width(slots), device=positions.device)
+        return keys[None, None, None, :] <= positions[:, None, :, None]
+
+    def _gather(self, which: int, pool: torch.Tensor, read: torch.Tensor, d: int) -> torch.Tensor:
+        b, h, width = read.shape
+        return pool.index_select(0, read.reshape(-1)).view(b, h, width, d)
+
+
+def pool_for(ops: Ops) -> type[KVPool]:
+    """The gathering pool for an op set's attention: torch's SDPA reads the rows' slots only (LivePool), any
+    other attention (the batch-invariant set's) all ctx_len of them (KVPool)."""
+    return LivePool if ops.attention is sdpa_attention else KVPool
 
 
 class BlockManager:

@@ -20,7 +20,7 @@ import torch
 from detrl.models.forward import Weights, log_probs, rope_tables
 from detrl.models.ops import Ops
 from detrl.rollout.base import Request, SamplingParams
-from detrl.rollout.paged import BlockManager, KVPool, SeqBlocks, paged_forward
+from detrl.rollout.paged import BlockManager, KVPool, SeqBlocks, paged_forward, pool_for
 from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
 
 
@@ -68,7 +68,7 @@ class EngineCore:
         generator: torch.Generator | None = None,
         prefix_cache: bool = True,
         device: torch.device | str = "cpu",
-        pool_type: type[KVPool] = KVPool,
+        pool_type: type[KVPool] | None = None,
     ):
         need = -(-ctx_len // block_size)
         if blocks < need:
@@ -82,7 +82,8 @@ class EngineCore:
             max_running,
             blocks,
         )
-        self.device, self.pool_type = torch.device(device), pool_type  # where the pool and the forward live
+        self.device = torch.device(device)  # where the pool and the forward live
+        self.pool_type = pool_type or pool_for(ops)  # None: the gathering pool the op set's attention reads
         self.rope = rope_tables(weights.config, ctx_len, self.device, weights.embed.dtype)
         self.generator = generator or torch.Generator().manual_seed(0)
         self.pool: KVPool | None = None
