@@ -247,7 +247,7 @@ def test_the_gather_reads_the_rows_blocks_and_zeros_past_them_as_the_full_gather
     config, bs, blocks, ctx = tiny_model("qwen3").config, 4, 12, 40
     pool = KVPool(config, blocks, bs, torch.float32, ctx)
     g = torch.Generator().manual_seed(0)
-    zero = torch.cat([h * pool.size + blocks * bs + torch.arange(bs) for h in range(pool.hkv)])
+    zero = pool.zero_slots()
     for layer in range(len(pool.k)):
         for t in (pool.k[layer], pool.v[layer]):
             t.copy_(torch.randn(t.shape, generator=g))
@@ -280,14 +280,14 @@ def test_the_default_kernels_read_the_rows_slots_only_and_attend_as_over_ctx_len
     valid = torch.ones(3, t, dtype=torch.bool)
     k, v = (torch.randn(3, pools[0].hkv, t, d, generator=g) for _ in range(2))
     q = torch.randn(3, config.num_attention_heads, t, d, generator=g)
-    zero = pools[0].size * torch.arange(pools[0].hkv)[:, None] + 12 * bs + torch.arange(bs)  # the zero block
+    zero = pools[0].zero_slots()
     out = []
     for pool in pools:  # the same random pool contents in both, the zero block kept zero
         for i, kv in enumerate((pool.k[0], pool.v[0])):
             kv.normal_(generator=torch.Generator().manual_seed(i))[zero] = 0
         plan = pool.plan(slots.gather(1, positions), valid, slots)
         keys, values = pool.write_read(0, k, v, plan)
-        mask = pool.mask(positions, slots)
+        mask = pool.mask(positions, slots, plan)
         out.append(DEFAULT_OPS.attention(q, keys, values, mask, d**-0.5))
         assert keys.shape[2] == mask.shape[-1] == (ctx if pool is pools[0] else 3 * bs)
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-6)

@@ -36,7 +36,7 @@ class KernelPool(KVPool):
     """A pool whose attention reads it in place: the mask carries the block tables and positions, and
     `write_read` returns the layer's whole K and V pool (no gather)."""
 
-    def mask(self, positions: torch.Tensor, slots: torch.Tensor):
+    def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: tuple):
         from detrl.models.triton_paged import PagedMeta
 
         table = torch.div(slots[:, :: self.block_size], self.block_size, rounding_mode="floor")  # [B, W]

@@ -110,9 +110,15 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.block_bytes = 2 * layers * block_size * self.hkv * shape[1] * self.k[0].element_size()
         self._heads = torch.arange(self.hkv, device=device) * self.size  # [Hkv] offset of each head's slots
-        self._bufs: dict[int, list] = {}  # keys (0), values (1): the gather's reused buffers (`_gather`)
+        self._pad: torch.Tensor | None = None  # [2 (K, V), B, Hkv, ctx_len, D], reused by `_padded`
+        self._dirty = 0  # the widest slot `_pad` holds + 1: past it, it is zeros
 
-    def mask(self, positions: torch.Tensor, slots: torch.Tensor):
+    def zero_slots(self) -> torch.Tensor:
+        """The flat pool indices of the zero block's slots, in every head."""
+        zero = self.blocks * self.block_size + torch.arange(self.block_size, device=self.device)
+        return (self._heads[:, None] + zero).reshape(-1)
+
+    def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: tuple):
         """What the op set's attention takes as its mask: [B, 1, T, ctx_len] key <= the query's position."""
         return (
             torch.arange(self.ctx_len, device=positions.device)[None, None, None, :]
@@ -148,27 +154,28 @@ class KVPool:
         d = k.shape[-1]
         self.k[layer].index_copy_(0, idx, k.reshape(-1, d)[mask])
         self.v[layer].index_copy_(0, idx, v.reshape(-1, d)[mask])
-        return self._gather(0, self.k[layer], read, d), self._gather(1, self.v[layer], read, d)
+        return self._padded(_rows(self.k[layer], read, d), _rows(self.v[layer], read, d))
 
-    def _gather(self, which: int, pool: torch.Tensor, read: torch.Tensor, d: int) -> torch.Tensor:
-        """The rows' W slots into a reused [B, Hkv, ctx_len, D] buffer (one for keys, one for values, shared by
-        the layers: a layer's are read before the next layer gathers) whose slots past W are kept zero, the zero
-        block's values: the gather reads W slots a row, not ctx_len."""
-        b, h, width = read.shape
-        rows = pool.index_select(0, read.reshape(-1)).view(b, h, width, d)
+    def _padded(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [B, Hkv, W, D] -> [B, Hkv, ctx_len, D] in a reused buffer (shared by the layers: a layer's
+        are read before the next layer gathers) whose slots past W are kept zero, the zero block's values: the
+        gather reads W slots a row, not ctx_len."""
+        b, h, width, d = keys.shape
         if width == self.ctx_len:
-            return rows
-        bufs = self._bufs.get(which)
-        if bufs is None or bufs[0].shape[0] < b:
-            bufs = [pool.new_zeros((b, h, self.ctx_len, d)), 0]  # [buffer, the widest slot written + 1]
-            self._bufs[which] = bufs
-        buf, dirty = bufs
-        if dirty > width:
-            buf[:, :, width:dirty].zero_()
-        bufs[1] = width
-        out = buf[:b]
-        out[:, :, :width] = rows
-        return out
+            return keys, values
+        if self._pad is None or self._pad.shape[1] < b:
+            self._pad, self._dirty = keys.new_zeros((2, b, h, self.ctx_len, d)), 0
+        if self._dirty > width:
+            self._pad[:, :, :, width : self._dirty].zero_()
+        self._dirty = width
+        out = self._pad[:, :b]
+        out[0, :, :, :width], out[1, :, :, :width] = keys, values
+        return out[0], out[1]
+
+
+def _rows(pool: torch.Tensor, read: torch.Tensor, d: int) -> torch.Tensor:
+    """The slots `read` [B, Hkv, W] of one layer's K or V pool -> [B, Hkv, W, D]."""
+    return pool.index_select(0, read.reshape(-1)).view(*read.shape, d)
 
 
 class LivePool(KVPool):
@@ -176,14 +183,13 @@ class LivePool(KVPool):
     holds, not ctx_len; the key length, hence the attention's reduction, changes with the batch's make-up. For
     an attention that reduces over any length (torch's SDPA); the batch-invariant one needs ctx_len (KVPool)."""
 
-    def mask(self, positions: torch.Tensor, slots: torch.Tensor):
-        """[B, 1, T, W] key <= the query's position."""
-        keys = torch.arange(self.width(slots), device=positions.device)
+    def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: tuple):
+        """[B, 1, T, W] key <= the query's position (W: the plan's read width)."""
+        keys = torch.arange(plan[2].shape[-1], device=positions.device)
         return keys[None, None, None, :] <= positions[:, None, :, None]
 
-    def _gather(self, which: int, pool: torch.Tensor, read: torch.Tensor, d: int) -> torch.Tensor:
-        b, h, width = read.shape
-        return pool.index_select(0, read.reshape(-1)).view(b, h, width, d)
+    def _padded(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return keys, values
 
 
 def pool_for(ops: Ops) -> type[KVPool]:
@@ -274,12 +280,12 @@ def paged_forward(
     b = tokens.shape[0]
     cos, sin = rope
     rot = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, T, 1, D]
-    mask = pool.mask(positions, slots)  # [B, 1, T, L] (or what the pool's attention reads instead)
     eps, hd = c.rms_norm_eps, c.head_dim
     top_k, norm_topk = getattr(c, "num_experts_per_tok", 0), getattr(c, "norm_topk_prob", False)
     h = w.embed[tokens]  # [B, T, H]
     rows = torch.arange(b, device=tokens.device)
     plan = pool.plan(write, valid, slots)
+    mask = pool.mask(positions, slots, plan)  # [B, 1, T, L] (or what the pool's attention reads instead)
     chosen = []
     for i, lw in enumerate(w.layers):
         q, k, v = layer_pre(h, lw.input_norm, lw.qkv, lw.qk_norm, *rot, ops, c.num_attention_heads, hd, eps)
