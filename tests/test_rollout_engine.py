@@ -291,3 +291,36 @@ def test_the_default_kernels_read_the_rows_slots_only_and_attend_as_over_ctx_len
         out.append(DEFAULT_OPS.attention(q, keys, values, mask, d**-0.5))
         assert keys.shape[2] == mask.shape[-1] == (ctx if pool is pools[0] else 3 * bs)
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-6)
+
+
+def test_decodes_cut_to_narrower_key_widths_keep_the_trainers_logprobs(monkeypatch):
+    """ctx_len 608: decode steps attend over the admitted width that covers their keys (ops.decode_widths), not
+    all 608; responses of 300 tokens after prompts of 40 and 250 cross several widths (and the 576 blocking
+    boundary of the full call), and every logprob equals the trainer's forward over ctx_len, bitwise."""
+    from detrl.models import ops
+    from detrl.models.forward import rope_tables
+    from detrl.models.preflight import _trainer_logprobs
+
+    ctx, new = 608, 300
+    model = build_model(ModelConfig(max_position_embeddings=ctx), seed=0)
+    weights, used = fuse(model, None), set()
+    width = ops.decode_width
+    monkeypatch.setattr(ops, "decode_width", lambda *a: used.add(width(*a)) or width(*a))
+    prompts = [tuple(3 + (i * 5) % 60 for i in range(p)) for p in (40, 250)]
+    reqs = [Request(g, 0, p, 11 + g) for g, p in enumerate(prompts)]
+    core = EngineCore(weights, BATCH_INVARIANT_OPS, ctx, 2 * ctx // 16, 16, 64, 8)
+    for r in reqs:
+        core.add(r.uid, r, SamplingParams(1.0, 1.0, new, ()))
+    done = {}
+    while len(done) < len(reqs):
+        done.update({f.key: f for f in core.step()})
+    widths = ops.decode_widths(model.config.head_dim, ctx, torch.float32)
+    assert len(used & set(widths[:-1])) >= 3  # several narrower widths ran
+    ids = torch.zeros(len(reqs), ctx, dtype=torch.long)
+    for i, r in enumerate(reqs):
+        ids[i, : len(r.prompt_ids) + new] = torch.tensor(r.prompt_ids + tuple(done[r.uid].tokens))
+    with torch.no_grad():
+        full = _trainer_logprobs(weights, ids, BATCH_INVARIANT_OPS, ctx, rope_tables(model.config, ctx))
+    for i, r in enumerate(reqs):
+        p = len(r.prompt_ids)
+        assert torch.equal(torch.tensor(done[r.uid].logprobs), full[i, p - 1 : p - 1 + new]), i
