@@ -8,8 +8,10 @@ prefill/decode phase, so that the sampler and the trainer produce the same bits 
   calls are padded to ROW_TILE rows; a self-check per shape (`gemm_mode`) compares the calls against one
   thread's: shapes whose kernels split the K reduction over threads at some row counts run at one thread,
   and shapes that vary even there as fixed (ROW_TILE, K) x (K, N) tiles;
-- attention: always over the fixed key length ctx_len (masked keys at -inf), short query blocks
-  padded like matmul rows, so prefill, decode and training reduce each row the same way;
+- attention: over the fixed key length ctx_len (masked keys at -inf), short query blocks padded like
+  matmul rows, so prefill, decode and training reduce each row the same way; a decode step cuts the keys
+  past its last live one only at widths a self-check per shape (`decode_widths`) proved give the full
+  length's bits;
 - silu: x / (1 + exp(-x)) (torch's fused silu rounds its vector tail differently);
 - MoE: stable-sort routing (ties -> lowest expert id), grouped dispatch on bi_linear, combine in
   ascending expert id.
@@ -129,11 +131,12 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_rows(a: torch.Tensor) -> torch.Tensor:
-    """a [..., M, K] with M < ROW_TILE -> [..., ROW_TILE, K]. The extra rows are never read back, so
-    without autograd they are left unfilled (a gemm row depends on its own input row only); with it
-    they are zeros, since the weight gradient sums over all rows."""
+    """a [..., M, K] with M < ROW_TILE -> [..., ROW_TILE, K], the extra rows zeros. Their results are never read
+    back (a gemm row depends on its own input row only), but unfilled memory can hold denormals or NaNs, which
+    slow the CPU gemm: the continuous engine's 16-row x 1,024-token decode ran its attention bmm 16x slower on
+    unfilled rows (18.4 s vs 1.15 s, cProfile); and under autograd the weight gradient sums over all rows."""
     shape = (*a.shape[:-2], ROW_TILE, a.shape[-1])
-    out = a.new_zeros(shape) if a.requires_grad and torch.is_grad_enabled() else a.new_empty(shape)
+    out = a.new_zeros(shape)
     out[..., : a.shape[-2], :] = a
     return out
 
