@@ -146,3 +146,17 @@ def test_the_width_probe_rejects_a_width_whose_call_differs():
     assert ops._width_agrees(q, k, v, 32)
     v[:, :, 40] = float("nan")  # 0 x NaN is NaN in the full call only
     assert not ops._width_agrees(q, k, v, 32)
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_keys_a_prefix_of_the_masks_length_give_the_bits_of_all_of_them_zero_past_it(t):
+    """bi_attention over the first L' keys of the mask's L (what a paged decode step gathers) equals the call over
+    all L with zero keys past L', bitwise: a decode step (t=1, cut or padded to its admitted width) and a
+    multi-token one (padded to L)."""
+    q, k, v, _ = _qkv(b=3, h=4, hkv=2, t=t, length=576, d=32, seed=t)
+    positions = torch.arange(200 - t, 200)  # queries at 200 - t .. 199: no row attends past key 199
+    mask = (torch.arange(576)[None, :] <= positions[:, None]).expand(3, 1, t, 576)
+    k[:, :, 200:], v[:, :, 200:] = 0, 0
+    full = bi_attention_rows(q, k, v, mask, 0.17)
+    for have in (200, 208, 320, 575):
+        assert torch.equal(bi_attention_rows(q, k[:, :, :have], v[:, :, :have], mask, 0.17), full), have

@@ -242,8 +242,12 @@ def test_the_engines_size_their_pools_from_the_spec():
 
 
 def test_the_gather_reads_the_rows_blocks_and_zeros_past_them_as_the_full_gather_does():
-    """write_read gathers only the slots the widest row's blocks hold into a reused buffer: whatever the steps
-    before (wider, narrower, more rows, fewer), its keys and values equal gathering all ctx_len slots."""
+    """write_read gathers only the slots the widest row's blocks hold: a multi-token step's keys and values, in
+    a reused buffer zero past them, equal gathering all ctx_len slots whatever the steps before (wider,
+    narrower, more rows, fewer); a decode step's are the first W of those, W the admitted decode width that
+    covers the rows' blocks (`ops.decode_width`)."""
+    from detrl.models.ops import decode_width
+
     config, bs, blocks, ctx = tiny_model("qwen3").config, 4, 12, 40
     pool = KVPool(config, blocks, bs, torch.float32, ctx)
     g = torch.Generator().manual_seed(0)
@@ -256,14 +260,15 @@ def test_the_gather_reads_the_rows_blocks_and_zeros_past_them_as_the_full_gather
                    [[1]], [list(range(10))], [[3], [4, 5]]):  # fmt: skip
         slots = pool.slots(tables)
         full = (slots[:, None, :] + pool._heads[None, :, None]).reshape(-1)
-        b, d = len(tables), config.head_dim
-        k = v = torch.zeros(b, pool.hkv, 1, d)
-        plan = pool.plan(torch.zeros(b, 1, dtype=torch.long), torch.zeros(b, 1, dtype=torch.bool), slots)
-        assert plan[2].shape[-1] == min(ctx, bs * max(map(len, tables)))
-        for layer in range(len(pool.k)):
-            keys, values = pool.write_read(layer, k, v, plan)
-            assert torch.equal(keys, pool.k[layer].index_select(0, full).view(b, pool.hkv, ctx, d))
-            assert torch.equal(values, pool.v[layer].index_select(0, full).view(b, pool.hkv, ctx, d))
+        b, d, held = len(tables), config.head_dim, min(ctx, bs * max(map(len, tables)))
+        for t, width in ((2, ctx), (1, decode_width(d, ctx, torch.float32, "cpu", held))):
+            k = v = torch.zeros(b, pool.hkv, t, d)
+            plan = pool.plan(torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.bool), slots)
+            assert plan[3] == (held if t > 1 else width) and held <= width
+            for layer in range(len(pool.k)):
+                keys, values = pool.write_read(layer, k, v, plan)
+                every = [x.index_select(0, full).view(b, pool.hkv, ctx, d) for x in (pool.k[layer], pool.v[layer])]
+                assert torch.equal(keys, every[0][:, :, :width]) and torch.equal(values, every[1][:, :, :width])
 
 
 def test_the_default_kernels_read_the_rows_slots_only_and_attend_as_over_ctx_len():

@@ -178,7 +178,8 @@ def bi_attention(
 def bi_attention_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q (B, H, T, D), k/v (B, Hkv, L, D), mask (B or 1, 1, T, L) True = attend -> (B, H, T, D).
+    """q (B, H, T, D), k/v (B, Hkv, L' <= L, D), mask (B or 1, 1, T, L) True = attend -> (B, H, T, D). Keys
+    past the first L' are zeros the mask hides (a paged decode step gathers no more than it needs).
 
     Always over the full key length L with masked keys at -inf, so prefill, decode and training
     reduce over the same row. Grouped-query heads share their key/value head without a copy: the
@@ -187,7 +188,7 @@ def bi_attention_rows(
     rows, but a decode step padded to that many rows runs ~5x slower in it than these matmuls.)
     """
     b, h, t, d = q.shape
-    hkv, length = k.shape[1], k.shape[-2]
+    hkv, length = k.shape[1], mask.shape[-1]
     rep = h // hkv
     q = q.reshape(b, hkv, rep * t, d)  # rows (r, t) of each kv group
     fast = _gemm_is_row_invariant(d, length, q.dtype, q.device) and _gemm_is_row_invariant(
@@ -195,6 +196,7 @@ def bi_attention_rows(
     )
     if fast and t == 1 and rep < ROW_TILE:  # a decode step: its rep rows share one mask row
         return _decode_attention(q, k, v, mask, scale).reshape(b, h, t, d)
+    k, v = _keys_to(k, length), _keys_to(v, length)
     if fast:
         scores = _bi_matmul(q, k.transpose(-1, -2)) * scale  # [B, Hkv, rep T, L]
     else:
@@ -213,10 +215,16 @@ def _decode_attention(q, k, v, mask, scale) -> torch.Tensor:
     as bmm on rows padded to ROW_TILE, mask and softmax on the rep real rows only. The keys past the last
     one any row attends to are cut off where `decode_widths` measured the narrower call to give the full
     length's bits (masked keys add exact zeros; what can change is the kernels' blocking, hence the probe)."""
-    width = decode_width(q.shape[-1], k.shape[-2], q.dtype, q.device, _live_keys(mask))
-    if width < k.shape[-2]:
-        k, v, mask = k[:, :, :width], v[:, :, :width], mask[..., :width]
-    return _decode_rows(q, k, v, mask, scale)
+    width = decode_width(q.shape[-1], mask.shape[-1], q.dtype, q.device, _live_keys(mask))
+    return _decode_rows(q, _keys_to(k, width), _keys_to(v, width), mask[..., :width], scale)
+
+
+def _keys_to(k: torch.Tensor, width: int) -> torch.Tensor:
+    """k [B, Hkv, L', D] as its first `width` keys: cut, or padded with zero keys (the masked ones)."""
+    have = k.shape[-2]
+    if have == width:
+        return k
+    return k[:, :, :width] if have > width else F.pad(k, (0, 0, 0, width - have))
 
 
 def _live_keys(mask: torch.Tensor) -> int:

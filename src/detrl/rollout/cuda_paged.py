@@ -42,8 +42,11 @@ class KernelPool(KVPool):
         table = torch.div(slots[:, :: self.block_size], self.block_size, rounding_mode="floor")  # [B, W]
         return PagedMeta(table, positions, self.size, self.block_size, self.ctx_len)
 
+    def read_width(self, width: int, decode: bool) -> int:
+        return width  # unread: the kernel walks the block tables
+
     def write_read(self, layer: int, k, v, plan: tuple):
-        idx, mask, _ = plan
+        idx, mask, *_ = plan
         d = k.shape[-1]
         self.k[layer].index_copy_(0, idx, k.reshape(-1, d)[mask])
         self.v[layer].index_copy_(0, idx, v.reshape(-1, d)[mask])

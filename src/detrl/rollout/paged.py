@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from detrl.models.forward import Weights, layer_post, layer_pre
-from detrl.models.ops import Ops, sdpa_attention
+from detrl.models.ops import Ops, decode_width, sdpa_attention
 
 
 @dataclass(frozen=True)
@@ -104,14 +104,17 @@ class KVPool:
             torch.device(device),
         )
         self.hkv, self.size = config.num_key_value_heads, (blocks + 1) * block_size  # slots per head
+        self.head_dim, self.dtype = config.head_dim, dtype
         shape = (self.hkv * self.size, config.head_dim)  # head-major: a row's gather is one copy
         layers = config.num_hidden_layers
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.block_bytes = 2 * layers * block_size * self.hkv * shape[1] * self.k[0].element_size()
         self._heads = torch.arange(self.hkv, device=device) * self.size  # [Hkv] offset of each head's slots
+        self._head_blocks = self._heads // block_size  # [Hkv] ... and of its blocks
         self._pad: torch.Tensor | None = None  # [2 (K, V), B, Hkv, ctx_len, D], reused by `_padded`
         self._dirty = 0  # the widest slot `_pad` holds + 1: past it, it is zeros
+        self._read: torch.Tensor | None = None  # [2 (K, V), slots, D], reused by `_gathered`
 
     def zero_slots(self) -> torch.Tensor:
         """The flat pool indices of the zero block's slots, in every head."""
@@ -137,24 +140,50 @@ class KVPool:
     def plan(self, write: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor) -> tuple:
         """The flat indices one step's layers share: where tokens [B, T] (where `valid`) write, what rows read
         per head: [B, Hkv, W], the first W of their ctx_len slots, W the most blocks any row holds (every slot
-        past W is the zero block's, in every row)."""
+        past W is the zero block's, in every row), widened as `read_width` says, as the pool blocks that hold
+        them: [B, Hkv, ceil(W / block_size)] rows of the pool seen as [Hkv (blocks + 1), block_size D]."""
         w = write[:, None, :] + self._heads[None, :, None]  # [B, Hkv, T]
         mask = valid[:, None, :].expand_as(w).reshape(-1)
-        read = slots[:, None, : self.width(slots)] + self._heads[None, :, None]  # [B, Hkv, W]
-        return w.reshape(-1)[mask], mask, read
+        width = self.read_width(self.width(slots), write.shape[1] == 1)
+        table = torch.div(slots[:, :: self.block_size], self.block_size, rounding_mode="floor")  # [B, blocks]
+        read = table[:, None, : -(-width // self.block_size)] + self._head_blocks[None, :, None]
+        return w.reshape(-1)[mask], mask, read, width
+
+    def read_width(self, width: int, decode: bool) -> int:
+        """The slots a step reads per row: a decode step (one token a row) the narrowest key width the invariant
+        attention admits for ctx_len (`ops.decode_width`: the same bits as all ctx_len keys) that covers W,
+        read as they are; any other step W, padded to ctx_len by `_padded`."""
+        if not decode:
+            return width
+        return decode_width(self.head_dim, self.ctx_len, self.dtype, self.device, width)
 
     def width(self, slots: torch.Tensor) -> int:
         """W: the slots the widest row of [B, ctx_len] holds in real blocks (tables are real blocks, then zeros)."""
         return int((slots < self.blocks * self.block_size).sum(1).max())
 
     def write_read(self, layer: int, k, v, plan: tuple):
-        """Write k, v [B, Hkv, T, D] at the plan's slots, then gather keys, values [B, Hkv, ctx_len, D]: the
-        plan's W slots, zeros past them (the zero block's values, without gathering them)."""
-        idx, mask, read = plan
+        """Write k, v [B, Hkv, T, D] at the plan's slots, then gather keys, values: a decode step's [B, Hkv, W,
+        D] (the first W of the mask's ctx_len keys: the invariant attention takes the rest as masked zeros),
+        any other step's [B, Hkv, ctx_len, D], the plan's W slots then zeros (the zero block's values, without
+        gathering them)."""
+        idx, mask, read, width = plan
         d = k.shape[-1]
         self.k[layer].index_copy_(0, idx, k.reshape(-1, d)[mask])
         self.v[layer].index_copy_(0, idx, v.reshape(-1, d)[mask])
-        return self._padded(_rows(self.k[layer], read, d), _rows(self.v[layer], read, d))
+        keys, values = self._gathered(layer, read, width)
+        return (keys, values) if k.shape[2] == 1 else self._padded(keys, values)
+
+    def _gathered(self, layer: int, read: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks `read` [B, Hkv, nb] of the layer's K and V -> their first `width` slots [B, Hkv, W, D] each,
+        copied a block at a time into a reused buffer (shared by the layers like `_pad`: a fresh multi-MB
+        tensor per layer and step costs more than the copy, and so do slot-sized copies)."""
+        (b, h, nb), row = read.shape, self.block_size * self.head_dim
+        if self._read is None or self._read.shape[1] < read.numel():
+            self._read = self.k[layer].new_empty((2, read.numel(), row))
+        out = self._read[:, : read.numel()]
+        for pool, dst in zip((self.k[layer], self.v[layer]), out, strict=True):
+            torch.index_select(pool.view(-1, row), 0, read.reshape(-1), out=dst)
+        return tuple(x.view(b, h, nb * self.block_size, self.head_dim)[:, :, :width] for x in out)
 
     def _padded(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [B, Hkv, W, D] -> [B, Hkv, ctx_len, D] in a reused buffer (shared by the layers: a layer's
@@ -173,20 +202,19 @@ class KVPool:
         return out[0], out[1]
 
 
-def _rows(pool: torch.Tensor, read: torch.Tensor, d: int) -> torch.Tensor:
-    """The slots `read` [B, Hkv, W] of one layer's K or V pool -> [B, Hkv, W, D]."""
-    return pool.index_select(0, read.reshape(-1)).view(*read.shape, d)
-
-
 class LivePool(KVPool):
     """A pool read as a serving engine's paged attention reads it: the keys of the W slots the step's widest row
     holds, not ctx_len; the key length, hence the attention's reduction, changes with the batch's make-up. For
-    an attention that reduces over any length (torch's SDPA); the batch-invariant one needs ctx_len (KVPool)."""
+    an attention that reduces over any length (torch's SDPA); the batch-invariant one needs ctx_len, or for a
+    decode step a width it proved equal to it (KVPool)."""
 
     def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: tuple):
         """[B, 1, T, W] key <= the query's position (W: the plan's read width)."""
-        keys = torch.arange(plan[2].shape[-1], device=positions.device)
+        keys = torch.arange(plan[3], device=positions.device)
         return keys[None, None, None, :] <= positions[:, None, :, None]
+
+    def read_width(self, width: int, decode: bool) -> int:
+        return width
 
     def _padded(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return keys, values
@@ -194,7 +222,7 @@ class LivePool(KVPool):
 
 def pool_for(ops: Ops) -> type[KVPool]:
     """The gathering pool for an op set's attention: torch's SDPA reads the rows' slots only (LivePool), any
-    other attention (the batch-invariant set's) all ctx_len of them (KVPool)."""
+    other attention (the batch-invariant set's) all ctx_len of them, a decode step its admitted width (KVPool)."""
     return LivePool if ops.attention is sdpa_attention else KVPool
 
 
