@@ -267,8 +267,12 @@ def test_the_gather_reads_the_rows_blocks_and_zeros_past_them_as_the_full_gather
             assert plan[3] == (held if t > 1 else width) and held <= width
             for layer in range(len(pool.k)):
                 keys, values = pool.write_read(layer, k, v, plan)
-                every = [x.index_select(0, full).view(b, pool.hkv, ctx, d) for x in (pool.k[layer], pool.v[layer])]
-                assert torch.equal(keys, every[0][:, :, :width]) and torch.equal(values, every[1][:, :, :width])
+                every = [
+                    x.index_select(0, full).view(b, pool.hkv, ctx, d) for x in (pool.k[layer], pool.v[layer])
+                ]
+                assert torch.equal(keys, every[0][:, :, :width]) and torch.equal(
+                    values, every[1][:, :, :width]
+                )
 
 
 def test_the_default_kernels_read_the_rows_slots_only_and_attend_as_over_ctx_len():
