@@ -112,16 +112,16 @@ def test_on_the_gpu_a_long_pass_trains_through_the_pieces():
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("length", [64, 576])
 def test_every_admitted_decode_width_gives_the_full_lengths_bits(threads, length):
-    """A decode step cut to an admitted width w (ops.decode_widths) equals the full-length call bitwise on fresh
+    """A decode step cut to an admitted width w (decode_attention.decode_widths) equals the full-length call bitwise on fresh
     data at the engine's shapes: 16 rows, 2 kv heads of 2 query heads each, every row's last attended key at or
     below w (w itself among them), other values in the masked tail."""
-    from detrl.models import ops
+    from detrl.models import decode_attention as da
 
     n = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        widths = ops.decode_widths(32, length, torch.float32)
-        assert widths[-1] == length and len(widths) > 1 and all(w % ops.ROW_TILE == 0 for w in widths)
+        widths = da.decode_widths(32, length, torch.float32)
+        assert widths[-1] == length and len(widths) > 1 and all(w % da.ROW_TILE == 0 for w in widths)
         g = torch.Generator().manual_seed(length + threads)
         q = torch.randn(16, 2, 2, 32, generator=g)
         k, v = (torch.randn(16, 2, length, 32, generator=g) for _ in range(2))
@@ -129,23 +129,23 @@ def test_every_admitted_decode_width_gives_the_full_lengths_bits(threads, length
             live = torch.randint(1, w + 1, (16,), generator=g)
             live[3] = w
             mask = (torch.arange(length) < live[:, None]).view(16, 1, 1, length)
-            full = ops._decode_rows(q, k, v, mask, 0.17)
-            assert ops.decode_width(32, length, torch.float32, "cpu", int(live.max())) == w
-            assert torch.equal(ops._decode_attention(q, k, v, mask, 0.17), full), w
+            full = da.decode_rows(q, k, v, mask, 0.17)
+            assert da.decode_width(32, length, torch.float32, "cpu", int(live.max())) == w
+            assert torch.equal(da.decode_attention(q, k, v, mask, 0.17), full), w
     finally:
         torch.set_num_threads(n)
 
 
 def test_the_width_probe_rejects_a_width_whose_call_differs():
     """The probe compares real calls: a tail value the full call reads (a NaN the mask does not zero) is caught."""
-    from detrl.models import ops
+    from detrl.models import decode_attention as da
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(4, 1, 2, 32, generator=g)
     k, v = (torch.randn(4, 1, 64, 32, generator=g) for _ in range(2))
-    assert ops._width_agrees(q, k, v, 32)
+    assert da._width_agrees(q, k, v, 32)
     v[:, :, 40] = float("nan")  # 0 x NaN is NaN in the full call only
-    assert not ops._width_agrees(q, k, v, 32)
+    assert not da._width_agrees(q, k, v, 32)
 
 
 @pytest.mark.parametrize("t", [1, 5])

@@ -245,8 +245,8 @@ def test_the_gather_reads_the_rows_blocks_and_zeros_past_them_as_the_full_gather
     """write_read gathers only the slots the widest row's blocks hold: a multi-token step's keys and values, in
     a reused buffer zero past them, equal gathering all ctx_len slots whatever the steps before (wider,
     narrower, more rows, fewer); a decode step's are the first W of those, W the admitted decode width that
-    covers the rows' blocks (`ops.decode_width`)."""
-    from detrl.models.ops import decode_width
+    covers the rows' blocks (`decode_attention.decode_width`)."""
+    from detrl.models.decode_attention import decode_width
 
     config, bs, blocks, ctx = tiny_model("qwen3").config, 4, 12, 40
     pool = KVPool(config, blocks, bs, torch.float32, ctx)
@@ -303,18 +303,18 @@ def test_the_default_kernels_read_the_rows_slots_only_and_attend_as_over_ctx_len
 
 
 def test_decodes_cut_to_narrower_key_widths_keep_the_trainers_logprobs(monkeypatch):
-    """ctx_len 608: decode steps attend over the admitted width that covers their keys (ops.decode_widths), not
+    """ctx_len 608: decode steps attend over the admitted width that covers their keys (decode_attention.decode_widths), not
     all 608; responses of 300 tokens after prompts of 40 and 250 cross several widths (and the 576 blocking
     boundary of the full call), and every logprob equals the trainer's forward over ctx_len, bitwise."""
-    from detrl.models import ops
+    from detrl.models import decode_attention as da
     from detrl.models.forward import rope_tables
     from detrl.models.preflight import _trainer_logprobs
 
     ctx, new = 608, 300
     model = build_model(ModelConfig(max_position_embeddings=ctx), seed=0)
     weights, used = fuse(model, None), set()
-    width = ops.decode_width
-    monkeypatch.setattr(ops, "decode_width", lambda *a: used.add(width(*a)) or width(*a))
+    width = da.decode_width
+    monkeypatch.setattr(da, "decode_width", lambda *a: used.add(width(*a)) or width(*a))
     prompts = [tuple(3 + (i * 5) % 60 for i in range(p)) for p in (40, 250)]
     reqs = [Request(g, 0, p, 11 + g) for g, p in enumerate(prompts)]
     core = EngineCore(weights, BATCH_INVARIANT_OPS, ctx, 2 * ctx // 16, 16, 64, 8)
@@ -323,7 +323,7 @@ def test_decodes_cut_to_narrower_key_widths_keep_the_trainers_logprobs(monkeypat
     done = {}
     while len(done) < len(reqs):
         done.update({f.key: f for f in core.step()})
-    widths = ops.decode_widths(model.config.head_dim, ctx, torch.float32)
+    widths = da.decode_widths(model.config.head_dim, ctx, torch.float32)
     assert len(used & set(widths[:-1])) >= 3  # several narrower widths ran
     ids = torch.zeros(len(reqs), ctx, dtype=torch.long)
     for i, r in enumerate(reqs):

@@ -4,7 +4,7 @@ The sampler (prefill + KV-cache decode) and the trainer (one pass over whole seq
 `forward`, with the same `Ops` and the same fixed key length `ctx_len`, so that with batch-invariant
 ops a token's logits are the same bits in both. Sequences are left-aligned (token i at position i);
 the cache holds `ctx_len` slots per row and attention runs over all of them under a mask (a batch-invariant
-decode step over fewer only where `ops.decode_widths` proved the same bits).
+decode step over fewer only where `decode_attention.decode_widths` proved the same bits).
 Both run on `fuse(model)`: the model's weights with q/k/v and gate/up stacked so that one gemm does the
 work of several (fewer, larger calls; the trainer fuses with autograd, the engine once per weight sync).
 Matches transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM (tested to float tolerance).

@@ -10,7 +10,8 @@ prefill/decode phase, so that the sampler and the trainer produce the same bits 
   and shapes that vary even there as fixed (ROW_TILE, K) x (K, N) tiles;
 - attention: over the fixed key length ctx_len (masked keys at -inf), short query blocks padded like
   matmul rows, so prefill, decode and training reduce each row the same way; a decode step cuts the keys
-  past its last live one only at widths a self-check per shape (`decode_widths`) proved give the full
+  past its last live one only at widths a self-check per shape (`decode_attention.decode_widths`) proved
+  give the full
   length's bits;
 - silu: x / (1 + exp(-x)) (torch's fused silu rounds its vector tail differently);
 - MoE: stable-sort routing (ties -> lowest expert id), grouped dispatch on bi_linear, combine in
@@ -33,14 +34,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from detrl.models import primitives
-from detrl.models.primitives import rms_norm
+from detrl.models.decode_attention import decode_attention, keys_to
+from detrl.models.primitives import ROW_TILE, rms_norm
+from detrl.models.primitives import pad_rows as _pad_rows
 
-ROW_TILE = 16
 _ROW_INVARIANT: dict[tuple[int, int, torch.dtype, str, int], str] = {}
 PROBE_ROWS = 512  # the probe's largest call; its sub-calls below cover each kernel regime met on 2-16 threads
 PROBE_SPANS = (16, 17, 23, 31, 32, 33, 64, 95, 128, 200, 257)
-_DECODE_WIDTHS: dict[tuple[int, int, torch.dtype, str, int], tuple[int, ...]] = {}
-DECODE_WIDTH_STEPS = 64  # the most key widths a decode shape's probe checks (ROW_TILE apart, or wider)
 
 
 @contextlib.contextmanager
@@ -130,17 +130,6 @@ def bi_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
-def _pad_rows(a: torch.Tensor) -> torch.Tensor:
-    """a [..., M, K] with M < ROW_TILE -> [..., ROW_TILE, K], the extra rows zeros. Their results are never read
-    back (a gemm row depends on its own input row only), but unfilled memory can hold denormals or NaNs, which
-    slow the CPU gemm: the continuous engine's 16-row x 1,024-token decode ran its attention bmm 16x slower on
-    unfilled rows (18.4 s vs 1.15 s, cProfile); and under autograd the weight gradient sums over all rows."""
-    shape = (*a.shape[:-2], ROW_TILE, a.shape[-1])
-    out = a.new_zeros(shape)
-    out[..., : a.shape[-2], :] = a
-    return out
-
-
 def _bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., M, K] @ b [..., K, N] with short M padded to ROW_TILE rows (see _gemm_is_row_invariant)."""
     m = a.shape[-2]
@@ -195,8 +184,8 @@ def bi_attention_rows(
         length, d, q.dtype, q.device
     )
     if fast and t == 1 and rep < ROW_TILE:  # a decode step: its rep rows share one mask row
-        return _decode_attention(q, k, v, mask, scale).reshape(b, h, t, d)
-    k, v = _keys_to(k, length), _keys_to(v, length)
+        return decode_attention(q, k, v, mask, scale).reshape(b, h, t, d)
+    k, v = keys_to(k, length), keys_to(v, length)
     if fast:
         scores = _bi_matmul(q, k.transpose(-1, -2)) * scale  # [B, Hkv, rep T, L]
     else:
@@ -208,81 +197,6 @@ def bi_attention_rows(
     else:
         out = (probs.unsqueeze(-2) * v.transpose(-1, -2).unsqueeze(-3)).sum(-1)  # [B, Hkv, rep T, D]
     return out.reshape(b, h, t, d)
-
-
-def _decode_attention(q, k, v, mask, scale) -> torch.Tensor:
-    """bi_attention's fast path for one query position: q (B, Hkv, rep, D) -> (B Hkv, rep, D), the gemms
-    as bmm on rows padded to ROW_TILE, mask and softmax on the rep real rows only. The keys past the last
-    one any row attends to are cut off where `decode_widths` measured the narrower call to give the full
-    length's bits (masked keys add exact zeros; what can change is the kernels' blocking, hence the probe)."""
-    width = decode_width(q.shape[-1], mask.shape[-1], q.dtype, q.device, _live_keys(mask))
-    return _decode_rows(q, _keys_to(k, width), _keys_to(v, width), mask[..., :width], scale)
-
-
-def _keys_to(k: torch.Tensor, width: int) -> torch.Tensor:
-    """k [B, Hkv, L', D] as its first `width` keys: cut, or padded with zero keys (the masked ones)."""
-    have = k.shape[-2]
-    if have == width:
-        return k
-    return k[:, :, :width] if have > width else F.pad(k, (0, 0, 0, width - have))
-
-
-def _live_keys(mask: torch.Tensor) -> int:
-    """1 + the last key position any row attends to (mask [B, 1, 1, L])."""
-    cols = mask.reshape(-1, mask.shape[-1]).any(0).nonzero()
-    return int(cols[-1]) + 1 if cols.numel() else 1
-
-
-def decode_width(d: int, length: int, dtype: torch.dtype, device: torch.device | str, live: int) -> int:
-    """The narrowest key width >= live that `decode_widths` admits for (d, length)."""
-    for w in decode_widths(d, length, dtype, device):
-        if w >= live:
-            return w
-    return length
-
-
-def decode_widths(
-    d: int, length: int, dtype: torch.dtype, device: torch.device | str = "cpu"
-) -> tuple[int, ...]:
-    """Measure once per shape which key widths w < length give a decode step over the first w keys
-    (`_decode_rows`) the bits of the full-length call when every key past w is masked: candidates are
-    multiples of ROW_TILE (at most DECODE_WIDTH_STEPS of them), each checked on random rows whose last
-    attended key is at w and at w - 7, against the full call with other data in the masked tail. Cached
-    per device and thread count like `gemm_mode`; the full length is always admitted."""
-    device = torch.device(device)
-    place = f"{device.type}:{device.index or 0}" if device.type != "cpu" else "cpu"
-    key = (d, length, dtype, place, torch.get_num_threads())
-    if key not in _DECODE_WIDTHS:
-        step = max(ROW_TILE, -(-length // (DECODE_WIDTH_STEPS * ROW_TILE)) * ROW_TILE)
-        g = torch.Generator().manual_seed(d * 7919 + length)
-        q, k, v = (
-            torch.randn(shape, generator=g).to(device, dtype)
-            for shape in ((4, 1, 2, d),) + ((4, 1, length, d),) * 2
-        )
-        with torch.no_grad():
-            ok = tuple(w for w in range(step, length, step) if _width_agrees(q, k, v, w)) + (length,)
-        _DECODE_WIDTHS[key] = ok
-    return _DECODE_WIDTHS[key]
-
-
-def _width_agrees(q, k, v, w: int) -> bool:
-    pos = torch.arange(k.shape[-2], device=k.device)
-    for live in (w, max(1, w - 7)):
-        mask = (pos < live).view(1, 1, 1, -1).expand(q.shape[0], 1, 1, -1)
-        full = _decode_rows(q, k, v, mask, 0.125)
-        if not torch.equal(_decode_rows(q, k[:, :, :w], v[:, :, :w], mask[..., :w], 0.125), full):
-            return False
-    return True
-
-
-def _decode_rows(q, k, v, mask, scale) -> torch.Tensor:
-    b, hkv, rep, d = q.shape
-    length = k.shape[-2]
-    rows = _pad_rows(q.reshape(b * hkv, rep, d))  # [B Hkv, R, D]
-    scores = torch.bmm(rows, k.view(b * hkv, length, d).transpose(1, 2))[:, :rep] * scale  # [B Hkv, rep, L]
-    scores = scores.view(b, hkv, rep, length).masked_fill(~mask, float("-inf"))  # mask [B, 1, 1, L]
-    probs = torch.softmax(scores, dim=-1).view(b * hkv, rep, length)
-    return torch.bmm(_pad_rows(probs), v.view(b * hkv, length, d))[:, :rep]
 
 
 def sdpa_attention(

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from detrl.models.decode_attention import decode_width
 from detrl.models.forward import Weights, layer_post, layer_pre
-from detrl.models.ops import Ops, decode_width, sdpa_attention
+from detrl.models.ops import Ops, sdpa_attention
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class KVPool:
         self._head_blocks = self._heads // block_size  # [Hkv] ... and of its blocks
         self._pad: torch.Tensor | None = None  # [2 (K, V), B, Hkv, ctx_len, D], reused by `_padded`
         self._dirty = 0  # the widest slot `_pad` holds + 1: past it, it is zeros
-        self._read: torch.Tensor | None = None  # [2 (K, V), slots, D], reused by `_gathered`
+        self._read: torch.Tensor | None = None  # [2 (K, V), blocks, block_size D], reused by `_gathered`
 
     def zero_slots(self) -> torch.Tensor:
         """The flat pool indices of the zero block's slots, in every head."""
@@ -151,7 +152,7 @@ class KVPool:
 
     def read_width(self, width: int, decode: bool) -> int:
         """The slots a step reads per row: a decode step (one token a row) the narrowest key width the invariant
-        attention admits for ctx_len (`ops.decode_width`: the same bits as all ctx_len keys) that covers W,
+        attention admits for ctx_len (`decode_attention.decode_width`: the same bits as all ctx_len keys) that covers W,
         read as they are; any other step W, padded to ctx_len by `_padded`."""
         if not decode:
             return width
