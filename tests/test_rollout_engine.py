@@ -333,3 +333,37 @@ def test_decodes_cut_to_narrower_key_widths_keep_the_trainers_logprobs(monkeypat
     for i, r in enumerate(reqs):
         p = len(r.prompt_ids)
         assert torch.equal(torch.tensor(done[r.uid].logprobs), full[i, p - 1 : p - 1 + new]), i
+
+
+@pytest.mark.parametrize("vocab", [64, 2**20])  # chunks of 16 positions; a vocab too large to buffer: chunk 1
+def test_seeded_noise_in_chunks_is_each_positions_hash_as_rows_join_and_leave(vocab):
+    from detrl.rollout.sampling import hashed_gumbel
+    from detrl.rollout.scheduler import SeededNoise, Sequence
+
+    params = SamplingParams(1.0, 1.0, 40, ())
+    noise = SeededNoise(4, vocab)
+    assert noise.chunk == (16 if vocab == 64 else 1)
+
+    def seq(seed: int, prompt: int, limit: int) -> Sequence:
+        ctx = list(range(prompt))
+        return Sequence(seed, Request(seed, 0, tuple(ctx), seed=seed), params, ctx, prompt, limit, limit)
+
+    running, pending = [seq(1, 3, 40)], [seq(2, 7, 5), seq(3, 2, 40), seq(4, 5, 30), seq(5, 4, 20)]
+    for step in range(30):
+        if step % 4 == 1 and pending and len(running) < 4:
+            running.append(pending.pop(0))  # join mid-run, at its own position
+        got = noise.take(running)
+        want = hashed_gumbel(
+            torch.tensor([s.request.seed for s in running]),
+            torch.tensor([len(s.tokens) for s in running]),
+            vocab,
+        )
+        assert torch.equal(got, want), step
+        for s in running:
+            s.tokens.append(0)
+        for s in [s for s in running if len(s.sampled) >= s.limit or (step == 9 and s.key == 1)]:
+            running.remove(s)  # finished (or preempted: back to waiting, its buffer row freed)
+            noise.drop(s)
+            if step == 9 and s.key == 1:
+                pending.append(s)
+    assert sorted(noise.free + [s.noise[0] for s in running if s.noise]) == list(range(4))

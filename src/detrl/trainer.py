@@ -134,10 +134,16 @@ def train(cfg: TrainConfig, run_dir: Path, group: str = "default") -> dict[str, 
             metrics = learn(run, step, batch, step_adv)  # old logprobs -> advantages -> mini-batch steps
             adv, run.kl_coef = step_adv.value, step_adv.next_kl_coef  # known once the old logprobs were
             metrics.update(step_adv.metrics)
+            t_learn = time.perf_counter()
             params_fp = sync_weights(run)
+            t_sync = time.perf_counter()
             metrics.update(step_metrics(run, step, batch, adv, params_fp))
+            t_end = time.perf_counter()
             metrics["timing_s/rollout"] = t_rollout
-            metrics["timing_s/step"] = time.perf_counter() - t0
+            metrics["timing_s/learn"] = t_learn - t0 - t_rollout
+            metrics["timing_s/sync"] = t_sync - t_learn
+            metrics["timing_s/metrics"] = t_end - t_sync
+            metrics["timing_s/step"] = t_end - t0
             metrics["perf/throughput"] = float(batch.mask.sum()) / metrics["timing_s/step"]
             metrics.update(run.evaluator.step(step, run.engine))
             record(run, step, metrics, bar)  # log, then checkpoint when due

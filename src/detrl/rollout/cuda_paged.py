@@ -45,11 +45,10 @@ class KernelPool(KVPool):
     def read_width(self, width: int, decode: bool) -> int:
         return width  # unread: the kernel walks the block tables
 
+    pads = False  # the kernel reads the pool in place, a cold prefill too
+
     def write_read(self, layer: int, k, v, plan: tuple):
-        idx, mask, *_ = plan
-        d = k.shape[-1]
-        self.k[layer].index_copy_(0, idx, k.reshape(-1, d)[mask])
-        self.v[layer].index_copy_(0, idx, v.reshape(-1, d)[mask])
+        self.write(layer, k, v, plan)
         return self.k[layer], self.v[layer]
 
 

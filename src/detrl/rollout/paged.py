@@ -138,17 +138,21 @@ class KVPool:
             :, : self.ctx_len
         ]
 
-    def plan(self, write: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor) -> tuple:
-        """The flat indices one step's layers share: where tokens [B, T] (where `valid`) write, what rows read
-        per head: [B, Hkv, W], the first W of their ctx_len slots, W the most blocks any row holds (every slot
-        past W is the zero block's, in every row), widened as `read_width` says, as the pool blocks that hold
-        them: [B, Hkv, ceil(W / block_size)] rows of the pool seen as [Hkv (blocks + 1), block_size D]."""
-        w = write[:, None, :] + self._heads[None, :, None]  # [B, Hkv, T]
-        mask = valid[:, None, :].expand_as(w).reshape(-1)
+    pads = True  # a step other than a decode reads all ctx_len slots (`_padded`)
+
+    def plan(self, write: torch.Tensor, valid: torch.Tensor | None, slots: torch.Tensor, fresh: bool = False):
+        """The flat indices one step's layers share: where tokens [B, T] (where `valid`; None: all) write, what
+        rows read per head: [B, Hkv, W], the first W of their ctx_len slots, W the most blocks any row holds
+        (every slot past W is the zero block's, in every row), widened as `read_width` says, as the pool blocks
+        that hold them: [B, Hkv, ceil(W / block_size)] rows of the pool seen as [Hkv (blocks + 1), block_size D].
+        `fresh`: every row's tokens start at position 0 (a cold prefill), so what the step writes is all its rows
+        hold and the step's own keys are read, not gathered back (the slots differ at masked keys only)."""
+        w = (write[:, None, :] + self._heads[None, :, None]).reshape(-1)  # [B Hkv T]
+        mask = None if valid is None else valid[:, None, :].expand(-1, self.hkv, -1).reshape(-1)
         width = self.read_width(self.width(slots), write.shape[1] == 1)
         table = torch.div(slots[:, :: self.block_size], self.block_size, rounding_mode="floor")  # [B, blocks]
         read = table[:, None, : -(-width // self.block_size)] + self._head_blocks[None, :, None]
-        return w.reshape(-1)[mask], mask, read, width
+        return (w if mask is None else w[mask]), mask, read, width, fresh and self.pads
 
     def read_width(self, width: int, decode: bool) -> int:
         """The slots a step reads per row: a decode step (one token a row) the narrowest key width the invariant
@@ -167,12 +171,17 @@ class KVPool:
         D] (the first W of the mask's ctx_len keys: the invariant attention takes the rest as masked zeros),
         any other step's [B, Hkv, ctx_len, D], the plan's W slots then zeros (the zero block's values, without
         gathering them)."""
-        idx, mask, read, width = plan
-        d = k.shape[-1]
-        self.k[layer].index_copy_(0, idx, k.reshape(-1, d)[mask])
-        self.v[layer].index_copy_(0, idx, v.reshape(-1, d)[mask])
-        keys, values = self._gathered(layer, read, width)
+        self.write(layer, k, v, plan)
+        if plan[4]:  # fresh: the keys are the step's own
+            return self._padded(k, v)
+        keys, values = self._gathered(layer, plan[2], plan[3])
         return (keys, values) if k.shape[2] == 1 else self._padded(keys, values)
+
+    def write(self, layer: int, k, v, plan: tuple) -> None:
+        """k, v [B, Hkv, T, D] into the layer's pool at the plan's slots (its valid tokens only)."""
+        idx, mask, d = plan[0], plan[1], k.shape[-1]
+        for pool, x in ((self.k[layer], k), (self.v[layer], v)):
+            pool.index_copy_(0, idx, x.reshape(-1, d) if mask is None else x.reshape(-1, d)[mask])
 
     def _gathered(self, layer: int, read: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks `read` [B, Hkv, nb] of the layer's K and V -> their first `width` slots [B, Hkv, W, D] each,
@@ -208,6 +217,8 @@ class LivePool(KVPool):
     holds, not ctx_len; the key length, hence the attention's reduction, changes with the batch's make-up. For
     an attention that reduces over any length (torch's SDPA); the batch-invariant one needs ctx_len, or for a
     decode step a width it proved equal to it (KVPool)."""
+
+    pads = False
 
     def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: tuple):
         """[B, 1, T, W] key <= the query's position (W: the plan's read width)."""
@@ -300,11 +311,13 @@ class BlockManager:
 
 
 def paged_forward(
-    w: Weights, tokens, positions, ops: Ops, ctx_len: int, rope, pool: KVPool, write, valid, slots, last
-):
-    """`forward` over the paged cache: tokens [B, T] at positions [B, T] (right-padded where not `valid`), their
-    KV written at `write` [B, T], attention over each row's slots [B, ctx_len]. -> (logits [B, V] at `last`
-    [B], ids [B, layers, k] the experts each layer chose at `last`, None when dense)."""
+    w: Weights, tokens, positions, ops: Ops, ctx_len: int, rope, pool: KVPool, write, valid, slots, last,
+    fresh: bool = False,
+):  # fmt: skip
+    """`forward` over the paged cache: tokens [B, T] at positions [B, T] (right-padded where not `valid`; None:
+    none padded), their KV written at `write` [B, T], attention over each row's slots [B, ctx_len] (`fresh`: every
+    row starts at position 0, see `KVPool.plan`). -> (logits [B, V] at `last` [B], ids [B, layers, k] the experts
+    each layer chose at `last`, None when dense)."""
     c = w.config
     b = tokens.shape[0]
     cos, sin = rope
@@ -313,7 +326,7 @@ def paged_forward(
     top_k, norm_topk = getattr(c, "num_experts_per_tok", 0), getattr(c, "norm_topk_prob", False)
     h = w.embed[tokens]  # [B, T, H]
     rows = torch.arange(b, device=tokens.device)
-    plan = pool.plan(write, valid, slots)
+    plan = pool.plan(write, valid, slots, fresh)
     mask = pool.mask(positions, slots, plan)  # [B, 1, T, L] (or what the pool's attention reads instead)
     chosen = []
     for i, lw in enumerate(w.layers):

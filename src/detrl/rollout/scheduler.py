@@ -38,10 +38,50 @@ class Sequence:
     chain: list[int] = field(default_factory=list)  # chain hashes of the full blocks before the last token
     logprobs: list[float] = field(default_factory=list)
     experts: list[np.ndarray] = field(default_factory=list)
+    noise: tuple[int, int, int] | None = None  # SeededNoise: (buffer row, first position, positions held)
 
     @property
     def sampled(self) -> list[int]:
         return self.tokens[self.context :]
+
+
+class SeededNoise:
+    """The hashed Gumbel noise of seeded running sequences, `chunk` positions at a time: the rows that ran out
+    are hashed together for their next positions ([R, C, V] in one call, not one [R, V] call per step) into a
+    [max_running, C, V] buffer, read a row and position at a time. The noise is a function of (seed, position,
+    vocab id) alone, so the chunking changes no bit. `chunk` is 1 (no buffer) where [max_running, 2, V] would
+    pass `elements` (a real vocabulary)."""
+
+    def __init__(self, rows: int, vocab: int, chunk: int = 16, elements: int = 2**22):
+        self.vocab, self.chunk = vocab, max(1, min(chunk, elements // (rows * vocab)))
+        self.free = list(range(rows - 1, -1, -1))  # buffer rows not held by a sequence
+        self.buf: torch.Tensor | None = None
+
+    def take(self, rows: list[Sequence]) -> torch.Tensor:
+        """The noise [G, V] of each row's next token (position len(tokens))."""
+        pos = [len(s.tokens) for s in rows]
+        if self.chunk == 1:
+            return hashed_gumbel(torch.tensor([s.request.seed for s in rows]), torch.tensor(pos), self.vocab)
+        if self.buf is None:
+            self.buf = torch.empty(len(self.free), self.chunk, self.vocab, dtype=torch.float64)
+        out = [s for s, p in zip(rows, pos) if s.noise is None or not 0 <= p - s.noise[1] < s.noise[2]]
+        if out:
+            steps = min(self.chunk, max(s.limit - len(s.sampled) for s in out))  # positions still to sample
+            for s in out:
+                s.noise = (self.free.pop() if s.noise is None else s.noise[0], len(s.tokens), steps)
+            start = torch.tensor([s.noise[1] for s in out])
+            noise = hashed_gumbel(
+                torch.tensor([s.request.seed for s in out]), start[:, None] + torch.arange(steps), self.vocab
+            )
+            self.buf[torch.tensor([s.noise[0] for s in out]), :steps] = noise
+        at = torch.tensor([s.noise[0] * self.chunk + p - s.noise[1] for s, p in zip(rows, pos)])
+        return self.buf.view(-1, self.vocab).index_select(0, at)
+
+    def drop(self, s: Sequence) -> None:
+        """The sequence left the running set: its buffer row is free."""
+        if s.noise is not None:
+            self.free.append(s.noise[0])
+            s.noise = None
 
 
 @dataclass
@@ -85,6 +125,7 @@ class EngineCore:
         self.device = torch.device(device)  # where the pool and the forward live
         self.pool_type = pool_type or pool_for(ops)  # None: the gathering pool the op set's attention reads
         self.rope = rope_tables(weights.config, ctx_len, self.device, weights.embed.dtype)
+        self.seeded = SeededNoise(max_running, weights.config.vocab_size)
         self.generator = generator or torch.Generator().manual_seed(0)
         self.pool: KVPool | None = None
         self.manager = BlockManager(blocks, block_size)
@@ -195,6 +236,7 @@ class EngineCore:
         self.preemptions += 1
         self.running.remove(s)
         self.manager.release(s.blocks.table)
+        self.seeded.drop(s)
         s.blocks, s.computed = SeqBlocks(), 0
         self.waiting.appendleft(s)
 
@@ -222,15 +264,18 @@ class EngineCore:
             self.rope,
             pool,
             write.to(dev),
-            valid.to(dev),
+            None if min(n) == t else valid.to(dev),
             slots.to(dev),
             last.to(dev),
+            fresh=width > 1 and all(s.computed == 0 for s in batch),
         )
         self.computed_tokens += sum(n)
         for i, s in enumerate(batch):
             s.computed += n[i]
             self._publish(s)
         ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
+        if len(ready) == len(batch):  # every row samples (a decode step): no row gathers
+            return self._sample(batch, logits, route)
         return self._sample([batch[i] for i in ready], logits[ready], None if route is None else route[ready])
 
     def _publish(self, s: Sequence) -> None:
@@ -247,44 +292,46 @@ class EngineCore:
         self, rows: list[Sequence], logits: torch.Tensor, route: torch.Tensor | None
     ) -> list[Finished]:
         """The next token of each row (rows grouped by their sampling params), and the rows that finish."""
-        done = []
+        leaving: list[tuple[Sequence, str]] = []
         groups: dict[tuple[float, float], list[int]] = {}
         for i, s in enumerate(rows):
             groups.setdefault((s.params.temperature, s.params.top_p), []).append(i)
         for (temperature, top_p), idx in groups.items():
-            logp = log_probs(logits[idx], temperature)  # [G, V]
-            noise = self._noise([rows[i] for i in idx], logp.shape[-1]).to(logp.device)
-            tok = sample(logp, noise, top_p)
+            whole = len(idx) == len(rows)  # one group (the usual case): no row gathers
+            group = rows if whole else [rows[i] for i in idx]
+            logp = log_probs(logits if whole else logits[idx], temperature)  # [G, V]
+            tok = sample(logp, self._noise(group, logp.shape[-1]).to(logp.device), top_p)
             lp = logp.gather(-1, tok[:, None]).squeeze(-1).tolist()
-            experts = None if route is None else route[idx].to(torch.int16).cpu().numpy()
-            for j, (i, t) in enumerate(zip(idx, tok.tolist())):
-                s = rows[i]
-                s.tokens.append(t)
-                s.logprobs.append(lp[j])
-                if experts is not None:
-                    s.experts.append(experts[j])
-                n = len(s.tokens) - s.context
-                reason = (
-                    "stop"
-                    if t in s.params.stop_token_ids
-                    else "length"
-                    if n >= s.room
-                    else "abort"
-                    if n >= s.limit
-                    else None
-                )
-                if reason is not None:
-                    self.running.remove(s)
-                    done.append(self._finish(s, reason))
-        return done
+            ids = None if route is None else (route if whole else route[idx]).to(torch.int16).cpu().numpy()
+            leaving += self._append(group, tok.tolist(), lp, ids)
+        if leaving:
+            gone = {id(s) for s, _ in leaving}
+            self.running = [s for s in self.running if id(s) not in gone]
+        return [self._finish(s, reason) for s, reason in leaving]
+
+    def _append(self, rows: list[Sequence], tokens: list[int], logprobs: list[float], experts) -> list:
+        """Each row's sampled token (and its logprob, expert ids); -> (row, finish reason) of the rows it ends."""
+        leaving = []
+        for j, (s, t) in enumerate(zip(rows, tokens)):
+            s.tokens.append(t)
+            s.logprobs.append(logprobs[j])
+            if experts is not None:
+                s.experts.append(experts[j])
+            n = len(s.tokens) - s.context
+            stop = t in s.params.stop_token_ids
+            reason = "stop" if stop else "length" if n >= s.room else "abort" if n >= s.limit else None
+            if reason is not None:
+                leaving.append((s, reason))
+        return leaving
 
     def _noise(self, rows: list[Sequence], vocab: int) -> torch.Tensor:
         """Gumbel noise [G, V]: seeded rows hash (seed, position, vocab id); the others draw from the stream."""
-        out = torch.empty(len(rows), vocab, dtype=torch.float64)
         seeded = [i for i, s in enumerate(rows) if s.request.seed is not None]
+        if len(seeded) == len(rows):
+            return self.seeded.take(rows)
+        out = torch.empty(len(rows), vocab, dtype=torch.float64)
         if seeded:
-            seeds = torch.tensor([rows[i].request.seed for i in seeded])
-            out[seeded] = hashed_gumbel(seeds, torch.tensor([len(rows[i].tokens) for i in seeded]), vocab)
+            out[seeded] = self.seeded.take([rows[i] for i in seeded])
         rest = [i for i, s in enumerate(rows) if s.request.seed is None]
         if rest:
             out[rest] = stream_gumbel(self.generator, (len(rest),), vocab)
@@ -292,6 +339,7 @@ class EngineCore:
 
     def _finish(self, s: Sequence, reason: str) -> Finished:
         self.manager.release(s.blocks.table)
+        self.seeded.drop(s)
         s.blocks = SeqBlocks()
         experts = np.stack(s.experts) if s.experts else None
         return Finished(s.key, list(s.sampled), list(s.logprobs), reason, experts)
