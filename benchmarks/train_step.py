@@ -9,8 +9,9 @@ step dropped (the engine's workers start, the numerics preflight runs). Runs alt
 continuous, then continuous, static, ...) so a shared machine's load and any drift fall on both alike; the
 medians over every kept step are compared side by side, and so is each round's pair of runs (`per_round`) with
 a 95% bootstrap interval on their mean log ratio (`step_ci95`): on a 2-core VM one process's steps run up to
-+-25% faster or slower than the next one's, so a single pair says little. The fingerprints (`fp/*`) of the two schedulers are compared too: under determinism=on they
-are equal at every step (the schedule is no source of bits).
++-25% faster or slower than the next one's, so a single pair says little. The fingerprints (`fp/*`) of the two
+schedulers are compared too: under determinism=on they are equal at every step (the schedule is no source of
+bits).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from detrl.models.forward import engine_copy
 from detrl.models.ops import Ops, sdpa_attention
 from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.batching import check_fits, prompt_groups
-from detrl.rollout.paged import KVPool, LivePool, PoolSpec, kv_token_bytes, pool_for
+from detrl.rollout.paged import KVPool, LivePool, Plan, PoolSpec, kv_token_bytes, pool_for
 from detrl.rollout.scheduler import EngineCore
 from detrl.rollout.weight_views import copy_into
 
@@ -36,7 +36,7 @@ class KernelPool(KVPool):
     """A pool whose attention reads it in place: the mask carries the block tables and positions, and
     `write_read` returns the layer's whole K and V pool (no gather)."""
 
-    def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: tuple):
+    def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: Plan):
         from detrl.models.triton_paged import PagedMeta
 
         table = torch.div(slots[:, :: self.block_size], self.block_size, rounding_mode="floor")  # [B, W]
@@ -47,7 +47,7 @@ class KernelPool(KVPool):
 
     pads = False  # the kernel reads the pool in place, a cold prefill too
 
-    def write_read(self, layer: int, k, v, plan: tuple):
+    def write_read(self, layer: int, k, v, plan: Plan):
         self.write(layer, k, v, plan)
         return self.k[layer], self.v[layer]
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -71,6 +72,16 @@ def pool_blocks(
     return max(-(-ctx_len // block_size), want // block_size)
 
 
+class Plan(NamedTuple):
+    """What one step's layers share (`KVPool.plan`)."""
+
+    write: torch.Tensor  # flat pool slots the valid tokens write, head by head
+    valid: torch.Tensor | None  # [B Hkv T] the tokens that write (None: all)
+    read: torch.Tensor  # [B, Hkv, blocks] the pool blocks each row reads per head
+    width: int  # the key slots read per row
+    fresh: bool  # a cold prefill whose own keys are read (`_padded`), not gathered
+
+
 @dataclass
 class Block:
     ref: int = 0
@@ -122,7 +133,7 @@ class KVPool:
         zero = self.blocks * self.block_size + torch.arange(self.block_size, device=self.device)
         return (self._heads[:, None] + zero).reshape(-1)
 
-    def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: tuple):
+    def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: Plan):
         """What the op set's attention takes as its mask: [B, 1, T, ctx_len] key <= the query's position."""
         return (
             torch.arange(self.ctx_len, device=positions.device)[None, None, None, :]
@@ -140,7 +151,9 @@ class KVPool:
 
     pads = True  # a step other than a decode reads all ctx_len slots (`_padded`)
 
-    def plan(self, write: torch.Tensor, valid: torch.Tensor | None, slots: torch.Tensor, fresh: bool = False):
+    def plan(
+        self, write: torch.Tensor, valid: torch.Tensor | None, slots: torch.Tensor, fresh: bool = False
+    ) -> Plan:
         """The flat indices one step's layers share: where tokens [B, T] (where `valid`; None: all) write, what
         rows read per head: [B, Hkv, W], the first W of their ctx_len slots, W the most blocks any row holds
         (every slot past W is the zero block's, in every row), widened as `read_width` says, as the pool blocks
@@ -152,7 +165,7 @@ class KVPool:
         width = self.read_width(self.width(slots), write.shape[1] == 1)
         table = torch.div(slots[:, :: self.block_size], self.block_size, rounding_mode="floor")  # [B, blocks]
         read = table[:, None, : -(-width // self.block_size)] + self._head_blocks[None, :, None]
-        return (w if mask is None else w[mask]), mask, read, width, fresh and self.pads
+        return Plan(w if mask is None else w[mask], mask, read, width, fresh and self.pads)
 
     def read_width(self, width: int, decode: bool) -> int:
         """The slots a step reads per row: a decode step (one token a row) the narrowest key width the invariant
@@ -166,22 +179,23 @@ class KVPool:
         """W: the slots the widest row of [B, ctx_len] holds in real blocks (tables are real blocks, then zeros)."""
         return int((slots < self.blocks * self.block_size).sum(1).max())
 
-    def write_read(self, layer: int, k, v, plan: tuple):
+    def write_read(self, layer: int, k, v, plan: Plan):
         """Write k, v [B, Hkv, T, D] at the plan's slots, then gather keys, values: a decode step's [B, Hkv, W,
         D] (the first W of the mask's ctx_len keys: the invariant attention takes the rest as masked zeros),
         any other step's [B, Hkv, ctx_len, D], the plan's W slots then zeros (the zero block's values, without
         gathering them)."""
         self.write(layer, k, v, plan)
-        if plan[4]:  # fresh: the keys are the step's own
+        if plan.fresh:  # the keys are the step's own
             return self._padded(k, v)
-        keys, values = self._gathered(layer, plan[2], plan[3])
+        keys, values = self._gathered(layer, plan.read, plan.width)
         return (keys, values) if k.shape[2] == 1 else self._padded(keys, values)
 
-    def write(self, layer: int, k, v, plan: tuple) -> None:
+    def write(self, layer: int, k, v, plan: Plan) -> None:
         """k, v [B, Hkv, T, D] into the layer's pool at the plan's slots (its valid tokens only)."""
-        idx, mask, d = plan[0], plan[1], k.shape[-1]
+        d = k.shape[-1]
         for pool, x in ((self.k[layer], k), (self.v[layer], v)):
-            pool.index_copy_(0, idx, x.reshape(-1, d) if mask is None else x.reshape(-1, d)[mask])
+            rows = x.reshape(-1, d)
+            pool.index_copy_(0, plan.write, rows if plan.valid is None else rows[plan.valid])
 
     def _gathered(self, layer: int, read: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks `read` [B, Hkv, nb] of the layer's K and V -> their first `width` slots [B, Hkv, W, D] each,
@@ -220,9 +234,9 @@ class LivePool(KVPool):
 
     pads = False
 
-    def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: tuple):
+    def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: Plan):
         """[B, 1, T, W] key <= the query's position (W: the plan's read width)."""
-        keys = torch.arange(plan[3], device=positions.device)
+        keys = torch.arange(plan.width, device=positions.device)
         return keys[None, None, None, :] <= positions[:, None, :, None]
 
     def read_width(self, width: int, decode: bool) -> int:

@@ -11,6 +11,15 @@ from __future__ import annotations
 import torch
 
 _M32 = 0xFFFFFFFF
+NOISE_CHUNK = 16  # positions whose seeded noise is hashed at once ...
+NOISE_ELEMENTS = (
+    2**22
+)  # ... while [rows, positions, V] stays under this many values (a real vocab: 1 at a time)
+
+
+def noise_chunk(rows: int, vocab: int) -> int:
+    """Positions of noise to draw at once for `rows` rows over `vocab` (bounded memory)."""
+    return max(1, min(NOISE_CHUNK, NOISE_ELEMENTS // (rows * vocab)))
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from detrl.models.forward import Weights, log_probs, rope_tables
 from detrl.models.ops import Ops
 from detrl.rollout.base import Request, SamplingParams
 from detrl.rollout.paged import BlockManager, KVPool, SeqBlocks, paged_forward, pool_for
-from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
+from detrl.rollout.sampling import hashed_gumbel, noise_chunk, sample, stream_gumbel
 
 
 @dataclass(eq=False)  # compared by identity
@@ -49,11 +49,11 @@ class SeededNoise:
     """The hashed Gumbel noise of seeded running sequences, `chunk` positions at a time: the rows that ran out
     are hashed together for their next positions ([R, C, V] in one call, not one [R, V] call per step) into a
     [max_running, C, V] buffer, read a row and position at a time. The noise is a function of (seed, position,
-    vocab id) alone, so the chunking changes no bit. `chunk` is 1 (no buffer) where [max_running, 2, V] would
-    pass `elements` (a real vocabulary)."""
+    vocab id) alone, so the chunking changes no bit. `chunk` is `sampling.noise_chunk`'s, as the static engine's:
+    1 (no buffer) for a real vocabulary."""
 
-    def __init__(self, rows: int, vocab: int, chunk: int = 16, elements: int = 2**22):
-        self.vocab, self.chunk = vocab, max(1, min(chunk, elements // (rows * vocab)))
+    def __init__(self, rows: int, vocab: int):
+        self.vocab, self.chunk = vocab, noise_chunk(rows, vocab)
         self.free = list(range(rows - 1, -1, -1))  # buffer rows not held by a sequence
         self.buf: torch.Tensor | None = None
 
@@ -66,7 +66,9 @@ class SeededNoise:
             self.buf = torch.empty(len(self.free), self.chunk, self.vocab, dtype=torch.float64)
         out = [s for s, p in zip(rows, pos) if s.noise is None or not 0 <= p - s.noise[1] < s.noise[2]]
         if out:
-            steps = min(self.chunk, max(s.limit - len(s.sampled) for s in out))  # positions still to sample
+            steps = min(
+                self.chunk, max(s.limit - (len(s.tokens) - s.context) for s in out)
+            )  # positions still to sample
             for s in out:
                 s.noise = (self.free.pop() if s.noise is None else s.noise[0], len(s.tokens), steps)
             start = torch.tensor([s.noise[1] for s in out])

@@ -19,11 +19,8 @@ from detrl.models.forward import KVCache, Weights, forward, log_probs, rope_tabl
 from detrl.models.ops import Ops
 from detrl.rollout.base import Request, Result, SamplingParams, cut_results
 from detrl.rollout.batching import check_fits
-from detrl.rollout.sampling import hashed_gumbel, sample, stream_gumbel
+from detrl.rollout.sampling import hashed_gumbel, noise_chunk, sample, stream_gumbel
 
-_NOISE_CHUNK = 16  # decode steps whose sampling noise is drawn at once ...
-# ... while [B, steps, V] stays under this many values (a real vocab: 1 step at a time)
-_NOISE_ELEMENTS = 2**22
 POLL_S = 1.0  # how often a waiting worker checks that its engine is alive
 
 
@@ -113,7 +110,7 @@ class Sampler:
         finished_by = torch.tensor(limit)  # [B] row i is finished after step t once t + 1 >= limit[i]
         sampled = 0  # steps run
         # seeded noise is a hash of (seed, position, vocab id): the chunking changes no bit
-        chunk = max(1, min(_NOISE_CHUNK, _NOISE_ELEMENTS // (b * self.weights.config.vocab_size)))
+        chunk = noise_chunk(b, self.weights.config.vocab_size)
         for t in range(steps):
             if self.abort.is_set():
                 break
