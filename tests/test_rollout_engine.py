@@ -367,3 +367,17 @@ def test_seeded_noise_in_chunks_is_each_positions_hash_as_rows_join_and_leave(vo
             if step == 9 and s.key == 1:
                 pending.append(s)
     assert sorted(noise.free + [s.noise[0] for s in running if s.noise]) == list(range(4))
+
+
+def test_release_frees_the_pool_and_the_noise_buffer_and_the_next_rollout_has_the_same_bits():
+    reqs = _requests(2, 3)
+    first, core = _run("qwen3", reqs)
+    assert core.pool is not None and core.seeded.buf is not None
+    core.release()
+    assert core.pool is None and core.seeded.buf is None and core.stats()["hit_blocks"] == 0
+    for r in reqs:
+        core.add(r.uid, r, PARAMS)
+    again = {}
+    while not core.idle():
+        again.update({f.key: (f.tokens, f.logprobs, f.finish_reason, None) for f in core.step()})
+    assert again == first

@@ -53,7 +53,7 @@ class SeededNoise:
     1 (no buffer) for a real vocabulary."""
 
     def __init__(self, rows: int, vocab: int):
-        self.vocab, self.chunk = vocab, noise_chunk(rows, vocab)
+        self.vocab, self.chunk, self.rows = vocab, noise_chunk(rows, vocab), rows
         self.free = list(range(rows - 1, -1, -1))  # buffer rows not held by a sequence
         self.buf: torch.Tensor | None = None
 
@@ -78,6 +78,11 @@ class SeededNoise:
             self.buf[torch.tensor([s.noise[0] for s in out]), :steps] = noise
         at = torch.tensor([s.noise[0] * self.chunk + p - s.noise[1] for s, p in zip(rows, pos)])
         return self.buf.view(-1, self.vocab).index_select(0, at)
+
+    def clear(self) -> None:
+        """Free the buffer (no sequence holds a row): `release`, while the trainer updates."""
+        assert len(self.free) == self.rows, "noise buffer rows still held"
+        self.buf = None
 
     def drop(self, s: Sequence) -> None:
         """The sequence left the running set: its buffer row is free."""
@@ -147,9 +152,11 @@ class EngineCore:
         return not self.waiting and not self.running
 
     def release(self) -> None:
-        """Free the pool and forget the prefix cache (between rollouts: the weights are about to change)."""
+        """Free the pool and the noise buffer, forget the prefix cache (between rollouts: the weights are about
+        to change)."""
         assert self.idle(), "release with sequences in flight"
         self.pool = None
+        self.seeded.clear()
         self.manager = BlockManager(self.num_blocks, self.block_size)
         self.computed_tokens = self.hit_blocks = self.preemptions = 0  # stats since the last release
 
