@@ -337,23 +337,27 @@ def _groups_done(buffer: PartialBuffer, need: int):
     return stop
 
 
+def _placed(values, start: int, fill, length: int) -> list:
+    """A row of `length` entries: `values` from index `start`, `fill` elsewhere."""
+    return [*[fill] * start, *values, *[fill] * (length - start - len(values))]
+
+
 def to_tensors(groups: list[Scored], ctx_len: int, version: int) -> StepBatch:
     results = [r for g in groups for r in g.results]
-    n = len(results)
-    input_ids = torch.zeros(n, ctx_len, dtype=torch.long)
-    mask = torch.zeros(n, ctx_len - 1)
-    rollout_logp = torch.zeros(n, ctx_len - 1)
-    versions = torch.full((n, ctx_len - 1), -1, dtype=torch.long)
     group_ids = torch.tensor([gi for gi, g in enumerate(groups) for _ in g.results])
     token_versions = [
         v for g in groups for v in (g.versions or [[version] * len(r.tokens) for r in g.results])
     ]
-    for i, r in enumerate(results):
+    ids, mask, logp, versions = [], [], [], []  # rows as lists, one tensor each (one op, not 4 per row)
+    for r, v in zip(results, token_versions):
         p, t = len(r.request.prompt_ids), len(r.tokens)
-        input_ids[i, : p + t] = torch.tensor(r.request.prompt_ids + tuple(r.tokens))
-        mask[i, p - 1 : p - 1 + t] = 1.0
-        rollout_logp[i, p - 1 : p - 1 + t] = torch.tensor(r.logprobs)
-        versions[i, p - 1 : p - 1 + t] = torch.tensor(token_versions[i], dtype=torch.long)
+        ids.append(_placed([*r.request.prompt_ids, *r.tokens], 0, 0, ctx_len))
+        mask.append(_placed([1.0] * t, p - 1, 0.0, ctx_len - 1))  # the positions that score the response
+        logp.append(_placed(r.logprobs, p - 1, 0.0, ctx_len - 1))
+        versions.append(_placed(v, p - 1, -1, ctx_len - 1))
+    input_ids = torch.tensor(ids, dtype=torch.long).view(len(results), ctx_len)
+    mask, rollout_logp = (torch.tensor(x).view(len(results), ctx_len - 1) for x in (mask, logp))
+    versions = torch.tensor(versions, dtype=torch.long).view(len(results), ctx_len - 1)
     scores = torch.cat([g.shaped for g in groups])
     correct = torch.cat([g.correct for g in groups])
     return StepBatch(
