@@ -133,3 +133,43 @@ def test_attention_decode_and_prefill_rows_are_the_training_rows(interpreted):
     assert interpreted["attn_err"] < 0.005
     assert all(interpreted["decode_eq"]), interpreted["decode_eq"]
     assert interpreted["prefill_eq"]
+
+
+DOT_SCRIPT = textwrap.dedent(
+    """
+    import json, torch, triton, triton.language as tl
+
+    @triton.jit
+    def dot_tile(a, b, c, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+        m, k, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+        x = tl.load(a + m[:, None] * K + k[None, :])
+        y = tl.load(b + k[:, None] * N + n[None, :])
+        tl.store(c + m[:, None] * N + n[None, :], tl.dot(x, y, out_dtype=tl.float32))
+
+    def dot(x, y):
+        out = torch.empty(x.shape[0], y.shape[1])
+        dot_tile[(1,)](x, y, out, x.shape[0], x.shape[1], y.shape[1])
+        return out
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 32, generator=g).half(), torch.randn(32, 16, generator=g).half()
+    ref = dot(x, y)
+    out = {
+        "rows": [torch.equal(dot(x.roll(i, 0), y).roll(-i, 0), ref) for i in range(16)],
+        "cols": [torch.equal(dot(x, y.roll(j, 1)).roll(-j, 1), ref) for j in range(16)],
+        "err": float((ref - x.float() @ y.float()).abs().max()),
+        "halves_eq": torch.equal(dot(x[:, :16], y[:16]) + dot(x[:, 16:], y[16:]), ref),
+    }
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_the_interpreters_dot_gives_an_output_the_bits_of_its_row_and_column_alone():
+    """`triton_helpers.TILE_DOT`, the interpreter's tl.dot in every script here: an output's bits do not move with
+    its row's or column's place in the tile (as a GPU MMA's), it is float32 close to the exact product, and it still
+    tells K-orders apart: two K halves summed give other bits than one dot over K (what a BLOCK_K change does)."""
+    got = run_script(DOT_SCRIPT, timeout=120)
+    assert all(got["rows"]) and all(got["cols"]), got
+    assert got["err"] < 1e-4
+    assert not got["halves_eq"]
