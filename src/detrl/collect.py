@@ -348,16 +348,18 @@ def to_tensors(groups: list[Scored], ctx_len: int, version: int) -> StepBatch:
     token_versions = [
         v for g in groups for v in (g.versions or [[version] * len(r.tokens) for r in g.results])
     ]
-    ids, mask, logp, versions = [], [], [], []  # rows as lists, one tensor each (one op, not 4 per row)
+    n, scored = len(results), ctx_len - 1  # scored: the positions that score a next token
+    ids, mask, logp, vers = [], [], [], []  # rows as lists, one tensor per field (not 4 per row)
     for r, v in zip(results, token_versions):
         p, t = len(r.request.prompt_ids), len(r.tokens)
         ids.append(_placed([*r.request.prompt_ids, *r.tokens], 0, 0, ctx_len))
-        mask.append(_placed([1.0] * t, p - 1, 0.0, ctx_len - 1))  # the positions that score the response
-        logp.append(_placed(r.logprobs, p - 1, 0.0, ctx_len - 1))
-        versions.append(_placed(v, p - 1, -1, ctx_len - 1))
-    input_ids = torch.tensor(ids, dtype=torch.long).view(len(results), ctx_len)
-    mask, rollout_logp = (torch.tensor(x).view(len(results), ctx_len - 1) for x in (mask, logp))
-    versions = torch.tensor(versions, dtype=torch.long).view(len(results), ctx_len - 1)
+        mask.append(_placed([1.0] * t, p - 1, 0.0, scored))  # position p - 1 scores the first response token
+        logp.append(_placed(r.logprobs, p - 1, 0.0, scored))
+        vers.append(_placed(v, p - 1, -1, scored))
+    input_ids = torch.tensor(ids, dtype=torch.long).view(n, ctx_len)  # view: n = 0 keeps its shape
+    mask = torch.tensor(mask).view(n, scored)
+    rollout_logp = torch.tensor(logp).view(n, scored)
+    versions = torch.tensor(vers, dtype=torch.long).view(n, scored)
     scores = torch.cat([g.shaped for g in groups])
     correct = torch.cat([g.correct for g in groups])
     return StepBatch(
