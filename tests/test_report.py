@@ -154,3 +154,17 @@ def test_make_notebooks_runner_executes_the_notebook_on_a_single_cell_sweep(abla
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 5
+
+
+def test_the_report_and_compare_commands_do_not_load_the_model_code():
+    """`python -m detrl.report` / `detrl.compare` read metrics files: importing them leaves transformers and the
+    engine unimported (they were ~6 s of each command's start), while `detrl.rollout.EmbeddedEngine` still
+    resolves on first use."""
+    code = (
+        "import sys, detrl.report, detrl.compare\n"
+        "print(any(m.startswith('transformers') for m in sys.modules), 'detrl.rollout.embedded' in sys.modules)\n"
+        "from detrl.rollout import EmbeddedEngine\n"
+        "print(EmbeddedEngine.__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["False", "False", "detrl.rollout.embedded"], out.stdout
