@@ -18,6 +18,16 @@ def test_an_on_run_writes_its_numerics_contract(tmp_path):
     assert contract["ops"] == "batch_invariant" and contract["preflight"].startswith("passed")
     # the negative control: the default CPU kernels vary with the batch here (gemm kernels by row count)
     assert contract["negative_control"] and "found nothing" not in contract["negative_control"][0]
+    # the machine the bits came from, and the gemm kernel family the invariant linear measured per model shape
+    import torch
+
+    host = contract["host"]
+    assert host["isa"] == torch.backends.cpu.get_cpu_capability() and host["cpu"] and host["blas"]
+    cfg = make_cfg(*TINY).model
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    shapes = {f"{cfg.hidden_size} x {qkv} float32", f"{cfg.intermediate_size} x {cfg.hidden_size} float32"}
+    assert shapes <= set(contract["gemm_modes"]), contract["gemm_modes"]
+    assert set(contract["gemm_modes"].values()) <= {"fast", "serial", "tiled"}
 
 
 def test_a_row_variant_op_set_is_refused_before_step_0(tmp_path, monkeypatch):

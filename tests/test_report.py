@@ -106,6 +106,38 @@ def test_on_off_sweep_titles_fit_and_panels_omit_the_fixed_overrides(onoff, tmp_
     assert "4 runs in 2 cells (1 determinism=on, 1 determinism=off)" in summary
 
 
+def test_runs_gathered_on_two_machines_are_named_and_their_split_cell_counted(onoff, tmp_path):
+    """A run's numerics contract names its machine: one machine is named in the runs line; runs from two (a
+    sweep merged from two hosts) are named in the findings with the cells whose repeats they split, from the
+    local files and from W&B (the run's uploaded numerics.json) alike."""
+    import json
+
+    from tests.test_drift import FakeApi, FakeRun
+
+    s = load_sweep(onoff)
+    (host,) = set(s.runs.host)
+    assert host.startswith(json.loads((next(onoff.glob("*/numerics.json"))).read_text())["host"]["cpu"])
+    summary = (render(onoff, tmp_path / "one") / "summary.md").read_text()
+    assert f"; on {host}" in summary and "machines" not in summary
+    merged = tmp_path / "merged"
+    shutil.copytree(onoff, merged)
+    moved = sorted(merged.glob("*determinism=on*repeat=1*/numerics.json"))
+    assert len(moved) == 1
+    contract = json.loads(moved[0].read_text())
+    contract["host"] = {"cpu": "Other CPU", "isa": "AVX512", "blas": "mkl"}
+    moved[0].write_text(json.dumps(contract))
+    for s in (load_sweep(merged), load_sweep(wandb_path="e/p/g", api=FakeApi(_fake_runs(merged, FakeRun)))):
+        assert sorted(s.runs.host) == sorted([host] * 3 + ["Other CPU (AVX512, mkl)"])
+    summary = (render(merged, tmp_path / "two") / "summary.md").read_text()
+    names = " / ".join(sorted([host, "Other CPU (AVX512, mkl)"]))
+    assert f"the runs come from 2 machines ({names}), and 1 cell has repeats on more than one" in summary
+    assert "; on " not in summary.split("\n\n")[2]
+
+
+def _fake_runs(sweep_dir, fake_run):
+    return [fake_run(p, i) for i, p in enumerate(sorted(p.parent for p in sweep_dir.glob("*/metrics.jsonl")))]
+
+
 def _facts(on_cells=1, off_cells=1):
     from collections import Counter
 

@@ -73,6 +73,7 @@ def facts(sweep: Sweep) -> dict:
             if len(vm) and vm.mismatch_max.notna().any()
             else None,
         }
+    f["hosts"], f["mixed_host_cells"] = _hosts(sweep.runs)
     dist = distances(sweep, "param")
     if len(dist):
         last = dist.loc[dist.groupby("cell").step.idxmax()].set_index("cell")
@@ -132,6 +133,30 @@ def facts(sweep: Sweep) -> dict:
     return f
 
 
+def _hosts(runs) -> tuple[list[str], int]:
+    """The machines the runs name in their numerics contracts, and how many cells have repeats on more than one
+    (their repeats differ by the machines' kernels too, not by the sweep's sources alone)."""
+    if "host" not in runs or runs.host.isna().all():
+        return [], 0
+    known = runs[runs.host.notna()]
+    return sorted(known.host.unique()), int((known.groupby("cell").host.nunique() > 1).sum())
+
+
+def host_clause(f: dict) -> str:
+    """ "" for one machine; else which ones, and the cells whose repeats they split."""
+    hosts = f.get("hosts") or []
+    if len(hosts) < 2:
+        return ""
+    out = f"the runs come from {len(hosts)} machines ({' / '.join(hosts)})"
+    n = f["mixed_host_cells"]
+    if n:
+        out += (
+            f", and {_plural(n, 'cell')} {'has' if n == 1 else 'have'} repeats on more than one: their "
+            "differences include the machines' kernels, not the sweep's sources alone"
+        )
+    return out
+
+
 def _on_clause(on: dict) -> str:
     n, k = on["cells"], on["identical"]
     if n == 1:
@@ -161,6 +186,8 @@ def divergence_sentence(f: dict) -> str:
             if off["cells"] == 1
             else f"none of the {off['cells']} determinism=off cells diverge"
         )
+    if host_clause(f):
+        parts.append(host_clause(f))
     if f["incomplete_cells"]:
         n = f["incomplete_cells"]
         parts.append(f"{_plural(n, 'cell')} {'has' if n == 1 else 'have'} fewer than 2 complete repeats")

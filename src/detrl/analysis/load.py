@@ -21,6 +21,7 @@ import yaml
 from detrl.determinism import label as det_label
 from detrl.fingerprint import DRIFT_FILE
 
+NUMERICS_FILE = "numerics.json"  # the run's numerics contract (detrl.models.preflight), written before step 1
 _NOT_CELL = ("repeat", "experiment", "logger", "hydra", "run_dir", "resume", "checkpoint")
 _SHORT = {
     "rollout.partial.enabled=false": "partial=off",
@@ -85,7 +86,26 @@ def cell_of(overrides: list[str]) -> str:
     return ",".join(sorted(_SHORT.get(o.lower(), o) for o in keep)) or "default"
 
 
-def _info(run: str, path: str, overrides: list[str], cfg: dict, rows: list[dict], done: bool) -> dict:
+def host_of(numerics: dict) -> str | None:
+    """The machine a run's bits came from, as its numerics contract names it: the GPU, or the CPU model with its
+    vector ISA and BLAS (None: not recorded, a run from before the contract held it)."""
+    h = numerics.get("host")
+    if h:
+        return f"{h.get('cpu')} ({h.get('isa')}, {h.get('blas')})"
+    device = numerics.get("device")
+    return None if device is None or device.startswith("cpu") else device
+
+
+def _numerics(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _info(
+    run: str, path: str, overrides: list[str], cfg: dict, rows: list[dict], done: bool, numerics: dict
+) -> dict:
     repeat = next(
         (int(o.split("=", 1)[1]) for o in overrides if o.startswith("repeat=")), cfg.get("repeat", 0)
     )
@@ -101,6 +121,7 @@ def _info(run: str, path: str, overrides: list[str], cfg: dict, rows: list[dict]
         "algo": (cfg.get("algo") or {}).get("name"),
         "determinism": det_label(cfg.get("determinism") or {}),
         "partial": ((cfg.get("rollout") or {}).get("partial") or {}).get("enabled"),
+        "host": host_of(numerics),
     }
 
 
@@ -130,7 +151,19 @@ def load_local(sweep_dir: str | Path) -> Sweep:
         cfg = (_yaml(cfg_file.read_text()) or {}) if cfg_file.is_file() else {}
         rows = load_metrics(d)
         runs.append(
-            (_info(d.name, str(d), overrides, cfg, rows, (d / "summary.json").is_file()), rows, load_drift(d))
+            (
+                _info(
+                    d.name,
+                    str(d),
+                    overrides,
+                    cfg,
+                    rows,
+                    (d / "summary.json").is_file(),
+                    _numerics(d / NUMERICS_FILE),
+                ),
+                rows,
+                load_drift(d),
+            )
         )
     return _assemble(sweep_dir, runs, "local")
 
@@ -161,20 +194,31 @@ def load_wandb(path: str, api=None, drift_dir: str | Path | None = None) -> Swee
             step = r.get("_step")
             rows.append({"step": int(step), **{k: v for k, v in r.items() if not k.startswith("_")}})
         rows.sort(key=lambda r: r["step"])
-        drift = {}
-        try:
-            f = run.file(DRIFT_FILE)
-            f.download(root=str(drift_root / run.id), replace=True)
-            drift = load_drift(drift_root / run.id)
-        except Exception:  # noqa: BLE001 - not uploaded: the run still loads, without distances
-            pass
+        here = drift_root / run.id
+        drift = load_drift(here) if _download(run, DRIFT_FILE, here) else {}  # else: without distances
+        numerics = _numerics(here / NUMERICS_FILE) if _download(run, NUMERICS_FILE, here) else {}
         info = _info(
-            run.name, f"wandb:{'/'.join(project)}/{run.id}", overrides, cfg, rows, run.state == "finished"
+            run.name,
+            f"wandb:{'/'.join(project)}/{run.id}",
+            overrides,
+            cfg,
+            rows,
+            run.state == "finished",
+            numerics,
         )
         runs.append((info, rows, drift))
     if not runs:
         raise FileNotFoundError(f"no W&B runs in group {group!r} of {'/'.join(project)}")
     return _assemble(Path(path), runs, "wandb")
+
+
+def _download(run, name: str, root: Path) -> bool:
+    """One of a W&B run's uploaded files into root; False where the run did not upload it (or W&B fails)."""
+    try:
+        run.file(name).download(root=str(root), replace=True)
+        return True
+    except Exception:  # noqa: BLE001 - not uploaded: the run still loads without it
+        return False
 
 
 def load_sweep(sweep_dir: str | Path | None = None, wandb_path: str | None = None, api=None) -> Sweep:

@@ -106,6 +106,17 @@ def gemm_mode(k: int, n: int, dtype: torch.dtype, device: torch.device | str = "
     return _ROW_INVARIANT[key]
 
 
+def gemm_modes() -> dict[str, str]:
+    """The CPU gemm modes measured so far at this thread count: "K x N dtype" -> fast | serial | tiled (what the
+    batch-invariant linear runs for that shape here; it differs between CPUs)."""
+    n = torch.get_num_threads()
+    return {
+        f"{k} x {w} {str(dt).removeprefix('torch.')}": mode
+        for (k, w, dt, place, threads), mode in sorted(_ROW_INVARIANT.items(), key=str)
+        if place == "cpu" and threads == n
+    }
+
+
 def _gemm_is_row_invariant(k: int, n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether F.linear and matmul at this thread count are row-invariant for this shape (`gemm_mode`)."""
     return gemm_mode(k, n, dtype, device) == "fast"

@@ -273,6 +273,8 @@ def _contract(rt) -> dict:
     }
     if rt.cuda:
         contract["driver"] = _driver_version()
+    else:
+        contract["host"] = cpu_host()
     try:
         import triton
 
@@ -284,6 +286,27 @@ def _contract(rt) -> dict:
     except ImportError:
         pass
     return contract
+
+
+def cpu_host() -> dict:
+    """The CPU a run's bits came from: its model name, the vector ISA torch's kernels dispatch to, and the BLAS
+    torch was built with (CPU gemms differ in bits between machines: a sweep gathered on several is not one
+    machine's repeats)."""
+    import platform
+    import re
+
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model
+            )
+    except OSError:
+        pass
+    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    return {"cpu": model, "isa": torch.backends.cpu.get_cpu_capability(), "blas": blas[1] if blas else None}
 
 
 def first_block(model, dtype: torch.dtype | None) -> Weights:
@@ -326,6 +349,10 @@ def numerics_contract(det, rt, model, rope) -> dict:
         contract["preflight_model"] = (
             f"1 of {model.config.num_hidden_layers} layers (sharded: block 0 gathered)"
         )
+    if rt.device.type == "cpu":
+        from detrl.models.ops import gemm_modes
+
+        contract["gemm_modes"] = gemm_modes()  # what the preflight measured for the model's shapes
     return {
         **contract,
         "preflight": "passed: rows and prefill/decode phases bitwise equal",

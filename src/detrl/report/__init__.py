@@ -118,6 +118,8 @@ def runs_line(sweep: Sweep, v: pd.DataFrame) -> str:
     lo, hi = int(v.repeats.min()), int(v.repeats.max())
     out += f", {lo if lo == hi else f'{lo}-{hi}'} complete repeat{'s' * (hi != 1)} per cell"
     out += f"; {(sweep.runs.status != 'complete').sum()} incomplete"
+    hosts = sorted(set(sweep.runs.host.dropna())) if "host" in sweep.runs else []
+    out += f"; on {hosts[0]}" if len(hosts) == 1 else ""  # several: the findings name them
     common = common_settings(sweep.runs.cell.unique())
     return out + (f"; every run: {', '.join(f'{k}={x}' for k, x in common.items())}" if common else "")
 
