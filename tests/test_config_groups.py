@@ -109,10 +109,10 @@ def _registries():
     from detrl.algos.core import LR_SCHEDULERS, STALE_TOKENS
     from detrl.algos.rollout_correction import MODES
     from detrl.collect import FILTER_METRICS
+    from detrl.config.model import ARCHITECTURES
     from detrl.data.registry import TASK_NAMES
     from detrl.determinism import SOURCES
     from detrl.device import DTYPES
-    from detrl.models.build import ARCHITECTURES
     from detrl.rollout.batching import SCHEDULERS
 
     return {

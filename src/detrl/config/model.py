@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from detrl.config.base import check, choice
 
 MODEL_INITS = ("warmstart", "random")
+# config.json model_type -> detrl's model.name (here, not in models.build: validating a config must not load
+# transformers' model code, ~5 s before a bad value's one-line error)
+ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
 # transformers' attention kernels a `model.attn_implementation` may name (None: the model's default)
 ATTN_IMPLEMENTATIONS = (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
@@ -48,7 +51,6 @@ class ModelConfig:
     def validate(self) -> None:
         """Names from their registries, then the shape rules (heads, experts) and the attention kernel."""
         from detrl.device import DTYPES
-        from detrl.models.build import ARCHITECTURES
 
         choice("model.name", self.name, dict.fromkeys(ARCHITECTURES.values()))
         choice("model.init", self.init, MODEL_INITS)

@@ -16,12 +16,11 @@ from transformers import (
 )
 
 from detrl.config.base import ConfigError
+from detrl.config.model import ARCHITECTURES
 
 if TYPE_CHECKING:  # annotations only: the config's validation imports this module
     from detrl.config import ModelConfig
 
-# config.json model_type -> detrl's model.name
-ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
