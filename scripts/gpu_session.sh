@@ -4,7 +4,8 @@
 # The GPU tests, then train.py device=cuda pairs (same config twice): each pair's per-step identity and
 # trainer/rollout mismatch (scripts/compare_runs.py) and a summary line per run (scripts/summarize_runs.py),
 # appended to $OUT as each pair ends, so a call cut off at its limit still returns the pairs it finished.
-# SKIP_TESTS=1 skips the tests; T is each run's time limit in seconds; RUN / DEV: a dry run on CPU.
+# SKIP_TESTS=1 skips the tests; T is each run's time limit in seconds; PAIRS: the pairs to run, in order (default:
+# all, as listed below); RUN / DEV: a dry run on CPU.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 T=${T:-120}
@@ -20,6 +21,7 @@ fi
 pair() {  # name, then the train.py overrides shared by both runs
   local name=$1
   shift
+  [[ " ${PAIRS:-$name} " == *" $name "* ]] || return 0
   for r in 0 1; do
     local t0=$SECONDS
     timeout "$T" $RUN python3 train.py device=$DEV logger=none checkpoint.save_final=false "$@" repeat=$r \
