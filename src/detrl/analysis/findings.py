@@ -73,7 +73,7 @@ def facts(sweep: Sweep) -> dict:
             if len(vm) and vm.mismatch_max.notna().any()
             else None,
         }
-    f["hosts"], f["mixed_host_cells"] = _hosts(sweep.runs)
+    f["hosts"], f["mixed_host_cells"] = hosts(sweep.runs)
     dist = distances(sweep, "param")
     if len(dist):
         last = dist.loc[dist.groupby("cell").step.idxmax()].set_index("cell")
@@ -133,7 +133,7 @@ def facts(sweep: Sweep) -> dict:
     return f
 
 
-def _hosts(runs) -> tuple[list[str], int]:
+def hosts(runs) -> tuple[list[str], int]:
     """The machines the runs name in their numerics contracts, and how many cells have repeats on more than one
     (their repeats differ by the machines' kernels too, not by the sweep's sources alone)."""
     if "host" not in runs or runs.host.isna().all():
@@ -186,8 +186,7 @@ def divergence_sentence(f: dict) -> str:
             if off["cells"] == 1
             else f"none of the {off['cells']} determinism=off cells diverge"
         )
-    if host_clause(f):
-        parts.append(host_clause(f))
+    parts.append(host_clause(f))  # "" (dropped) for one machine
     if f["incomplete_cells"]:
         n = f["incomplete_cells"]
         parts.append(f"{_plural(n, 'cell')} {'has' if n == 1 else 'have'} fewer than 2 complete repeats")

@@ -32,6 +32,7 @@ from detrl.analysis.ablation import COLUMNS as ABLATION_TABLE_COLUMNS  # noqa: E
 from detrl.analysis.ablation import ablation_findings, ablation_table  # noqa: E402
 from detrl.analysis.findings import (  # noqa: E402
     common_settings,
+    hosts,
     parse_cell,
 )
 from detrl.report import variance as variance_report  # noqa: E402
@@ -118,8 +119,8 @@ def runs_line(sweep: Sweep, v: pd.DataFrame) -> str:
     lo, hi = int(v.repeats.min()), int(v.repeats.max())
     out += f", {lo if lo == hi else f'{lo}-{hi}'} complete repeat{'s' * (hi != 1)} per cell"
     out += f"; {(sweep.runs.status != 'complete').sum()} incomplete"
-    hosts = sorted(set(sweep.runs.host.dropna())) if "host" in sweep.runs else []
-    out += f"; on {hosts[0]}" if len(hosts) == 1 else ""  # several: the findings name them
+    machines, _ = hosts(sweep.runs)
+    out += f"; on {machines[0]}" if len(machines) == 1 else ""  # several: the findings name them
     common = common_settings(sweep.runs.cell.unique())
     return out + (f"; every run: {', '.join(f'{k}={x}' for k, x in common.items())}" if common else "")
 
