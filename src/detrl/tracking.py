@@ -11,8 +11,9 @@ from typing import Any
 
 from detrl.config import ConfigError, LoggerConfig
 
+NUMERICS_FILE = "numerics.json"  # the run's numerics contract (detrl.models.preflight), written before step 1
 # the files of a run dir that its W&B run carries (the offline run's files/, uploaded by `wandb sync`)
-RUN_FILES = ("metrics.jsonl", "drift.jsonl", "config.yaml", "numerics.json")
+RUN_FILES = ("metrics.jsonl", "drift.jsonl", "config.yaml", NUMERICS_FILE)
 
 
 class Tracker:

@@ -39,7 +39,7 @@ from detrl.models.hf_save import save_model
 from detrl.rollout.partial import PartialBuffer
 from detrl.rollout.ranks import RankEngine
 from detrl.runtime import Runtime
-from detrl.tracking import Tracker
+from detrl.tracking import NUMERICS_FILE, Tracker
 
 
 def cell_name(cfg: TrainConfig) -> str:
@@ -225,7 +225,7 @@ def start(cfg: TrainConfig, run_dir: Path, group: str) -> Run:
     # determinism=on: batch invariance proven on this device, dtype and model before step 0 (fail-closed)
     numerics = {**preflight.numerics_contract(det, rt, model, rope), "threads": threads}
     if distributed.is_main():
-        (run_dir / "numerics.json").write_text(json.dumps(numerics, indent=1))
+        (run_dir / NUMERICS_FILE).write_text(json.dumps(numerics, indent=1))
     engine = make_engine(cfg, model, det, rt, sampling, tokenizer, run_dir)
     if world > 1:  # FSDP2 over the trainer's models; this rank's engine serves its share of each generate
         # the update's passes gather each block themselves in the shards' fp32 (fsdp.Gather) and reduce its

@@ -20,8 +20,8 @@ import yaml
 
 from detrl.determinism import label as det_label
 from detrl.fingerprint import DRIFT_FILE
+from detrl.tracking import NUMERICS_FILE
 
-NUMERICS_FILE = "numerics.json"  # the run's numerics contract (detrl.models.preflight), written before step 1
 _NOT_CELL = ("repeat", "experiment", "logger", "hydra", "run_dir", "resume", "checkpoint")
 _SHORT = {
     "rollout.partial.enabled=false": "partial=off",
