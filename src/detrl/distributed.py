@@ -122,8 +122,20 @@ def intra_op_threads(n: int | None):
         torch.set_num_threads(before)
 
 
+_LAST_BARRIER: list = []  # close()'s barrier, held to the end of the process (see close)
+
+
 def close() -> None:
+    """Leave the process group, every rank together. Gloo's worker threads drop a collective's work after
+    wait() returns; the last owner of a work that holds tensors (a barrier holds the collectives still in flight
+    when it was queued: FSDP2's gathers) needs the GIL, which an interpreter already finalizing cannot give: that
+    rank aborts at exit ("terminate called without an active exception", pytorch/pytorch#179291). So a last
+    barrier, waited on, whose work this process keeps: every earlier work is then freed, or held by it, while the
+    interpreter is alive, and gloo's threads are never the last owner."""
     if dist.is_initialized():
+        work = dist.barrier(async_op=True)
+        work.wait()
+        _LAST_BARRIER.append(work)
         dist.destroy_process_group()
 
 
