@@ -37,13 +37,9 @@ from detrl import fsdp
 # reduce keeps an fp32 accumulator shard and one block's gradient with its all-to-all buffers; the weight sync
 # passes one parameter at a time; the batch-invariant attention's backward (models/ops.py query_chunked on CPU,
 # models/triton_attention.py attention_backward on CUDA) runs in pieces of ATTN_QUERY_CHUNK query rows
-PLAN_LAYOUT = {
-    "gather": "block",
-    "gather_dtype": "compute",
-    "reduce": "shard",
-    "sync": "block",
-    "attn_backward": "pieces",
-}
+PLAN_LAYOUT = dict(
+    gather="block", gather_dtype="compute", reduce="shard", sync="block", attn_backward="pieces"
+)
 
 
 def _from_slurm() -> None:
@@ -122,20 +118,15 @@ def intra_op_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-_LAST_BARRIER: list = []  # close()'s barrier, held to the end of the process (see close)
-
-
 def close() -> None:
-    """Leave the process group, every rank together. Gloo's worker threads drop a collective's work after
-    wait() returns; the last owner of a work that holds tensors (a barrier holds the collectives still in flight
-    when it was queued: FSDP2's gathers) needs the GIL, which an interpreter already finalizing cannot give: that
-    rank aborts at exit ("terminate called without an active exception", pytorch/pytorch#179291). So a last
-    barrier, waited on, whose work this process keeps: every earlier work is then freed, or held by it, while the
-    interpreter is alive, and gloo's threads are never the last owner."""
+    """Leave the process group, every rank together, after a last barrier whose work this process keeps: gloo's
+    threads drop a work after wait() returns, and one whose last owner frees tensors then (a barrier weakly holds
+    the collectives in flight when queued: FSDP2's gathers) needs the GIL, which a finalizing interpreter cannot
+    give ("terminate called without an active exception", pytorch/pytorch#179291)."""
     if dist.is_initialized():
         work = dist.barrier(async_op=True)
         work.wait()
-        _LAST_BARRIER.append(work)
+        close.kept = work  # to the end of the process
         dist.destroy_process_group()
 
 
