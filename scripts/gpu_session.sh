@@ -32,8 +32,8 @@ pair() {  # name, then the train.py overrides shared by both runs
   { echo "== $name ($*)"; $RUN python3 scripts/compare_runs.py /tmp/runs/$name/r0 /tmp/runs/$name/r1; } \
     >> "$OUT/compare.txt" 2>&1
 }
-pair qwen3_on steps=8 rollout.max_new_tokens=64
-pair moe_on model=qwen3_moe steps=6 rollout.max_new_tokens=64
-pair qwen3_off determinism=off steps=8 rollout.max_new_tokens=64
-pair qwen3_on_partial rollout.partial.enabled=true steps=6 rollout.max_new_tokens=64
+pair qwen3_on steps=8 rollout.max_new_tokens=48
+pair moe_on model=qwen3_moe steps=6 rollout.max_new_tokens=48
+pair qwen3_off determinism=off steps=8 rollout.max_new_tokens=48
+pair qwen3_on_partial rollout.partial.enabled=true steps=6 rollout.max_new_tokens=48
 pair p6b_on model=qwen3_0p6b steps=3 train_batch_size=8 rollout.n=4 rollout.max_new_tokens=64 micro_batch_size=16
