@@ -3,6 +3,7 @@
     python benchmarks/gpu.py bench [--out DIR] [--sections targets,...]   # the default: gpu.py --sections ...
     python benchmarks/gpu.py profile [--batch 64] [--model qwen3_0p6b]
     python benchmarks/gpu.py profile16 [--model qwen3_0p6b] [--batch 64] [--modes on,off] [--no-profile]
+    python benchmarks/gpu.py paged [--model qwen3_0p6b] [--batch 32] [--new 64] [--json out.json]
     python benchmarks/gpu.py kernels [--out results.json]
     python benchmarks/gpu.py tiles [--out tiles.json]
 
@@ -639,6 +640,47 @@ def profile16(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+PAGED = """The paged engine core on one GPU (what `train.py device=cuda` runs): ms per decode step of
+`CudaPagedEngine.generate` on batch prompts x new tokens (seeded requests under on, as the trainer sends them; no
+stop token, so every step decodes the whole batch), per mode with its op set and torch flags, eager (no CUDA
+graphs). --profile adds the top ops by host time of one call. JSON (--json): ms_per_decode_step.{on,off}."""
+
+
+def paged(args: argparse.Namespace) -> None:
+    from detrl import determinism as det_mod
+    from detrl import runtime
+    from detrl.rollout.base import Request, SamplingParams
+    from detrl.rollout.cuda_paged import CudaPagedEngine
+
+    model, out = random_model(args.model), {}
+    ctx = -(-(len(prompts(1)[0]) + args.new) // 16) * 16
+    for mode in args.modes.split(","):
+        det = det_mod.setup(mode == "on", 0)
+        rt = runtime.make(det, "cuda", torch.bfloat16)
+        reqs = [
+            Request(i // 4, i % 4, tuple(p), seed=det.sampling_seed(1, i // 4, i % 4))
+            for i, p in enumerate(prompts(args.batch))
+        ]
+        eng = CudaPagedEngine(
+            model, rt.ops, ctx, SamplingParams(1.0, 1.0, args.new, ()), 0, args.batch, det.fixed_routing
+        )
+        eng.generate(reqs)  # warm: the Triton kernels compile
+        out[mode] = timed(lambda eng=eng, reqs=reqs: eng.generate(reqs), 2) / args.new * 1e3
+        print(f"[{mode}] {rt.ops.name}: {out[mode]:.2f} ms per decode step (batch {args.batch})", flush=True)
+        if args.profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                eng.generate(reqs)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+        eng.close()
+        del eng
+        torch.cuda.empty_cache()
+    if args.json:
+        settings = dict(
+            model=args.model, batch=args.batch, new_tokens=args.new, ctx_len=ctx, dtype="bfloat16"
+        )
+        Path(args.json).write_text(json.dumps({"ms_per_decode_step": out, "settings": settings}, indent=1))
+
+
 # ---------------------------------------------------------------------------------------------- kernels, tiles
 
 KERNELS = """The batch-invariant Triton kernels against torch, bit for bit where they must agree with themselves,
@@ -1125,6 +1167,13 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--batch", type=int, default=64)
         p.add_argument("--model", default=DENSE)
     prof16.add_argument("--modes", default="on,off")
+    pag = sub.choices["paged"]
+    pag.add_argument("--model", default=DENSE)
+    pag.add_argument("--batch", type=int, default=32)
+    pag.add_argument("--new", type=int, default=64, help="new tokens per sequence")
+    pag.add_argument("--modes", default="on,off")
+    pag.add_argument("--profile", action="store_true")
+    pag.add_argument("--json", default=None, help="write ms_per_decode_step here")
     prof16.add_argument("--no-profile", action="store_true")
     for name in ("kernels", "tiles"):
         sub.choices[name].add_argument("--out", default=None, help="write the results here as JSON")
@@ -1139,6 +1188,7 @@ SECTIONS = {  # name: (function, one-line help, description)
         "determinism on vs off: decode and the trainer's logprob pass, profiled",
         PROFILE16,
     ),
+    "paged": (paged, "the paged engine core: ms per decode step, determinism on vs off", PAGED),
     "kernels": (kernels, "the Triton kernels vs torch: bitwise checks and times", KERNELS),
     "tiles": (tiles, "the invariant gemm's tilings: bits vs the fixed tiles, times vs cuBLAS", TILES),
 }

@@ -369,6 +369,18 @@ def test_seeded_noise_in_chunks_is_each_positions_hash_as_rows_join_and_leave(vo
     assert sorted(noise.free + [s.noise[0] for s in running if s.noise]) == list(range(4))
 
 
+@pytest.mark.parametrize("vocab", [64, 151_936])  # the buffered path, and Qwen3's vocab (one position a call)
+def test_seeded_noise_is_hashed_on_the_cores_device(vocab):
+    """The noise lives where the logits are: on a GPU a [rows, V] float64 tensor per step hashed on the host and
+    copied over took most of a decode step (docs/gpu/2026-12-07.md). "meta" stands in for the device on CPU."""
+    from detrl.rollout.scheduler import SeededNoise, Sequence
+
+    noise = SeededNoise(2, vocab, "meta")
+    rows = [Sequence(k, Request(k, 0, (1, 2), seed=k), PARAMS, [1, 2], 2, 8, 8) for k in (1, 2)]
+    got = noise.take(rows)
+    assert got.device.type == "meta" and got.shape == (2, vocab) and got.dtype == torch.float64
+
+
 def test_release_frees_the_pool_and_the_noise_buffer_and_the_next_rollout_has_the_same_bits():
     reqs = _requests(2, 3)
     first, core = _run("qwen3", reqs)

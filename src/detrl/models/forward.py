@@ -12,6 +12,7 @@ Matches transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM (tested to float to
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -261,18 +262,26 @@ def _add_linear(ops: Ops, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> 
     return h + ops.linear(x, w) if ops.linear_add is None else ops.linear_add(x, w, h)
 
 
-def write_slots(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """dst.scatter_(dim, index, src) where no two entries of index name the same slot: torch's plain scatter is
-    then deterministic, so it runs outside torch's deterministic mode, whose sort-based CUDA scatter (and its
+@contextlib.contextmanager
+def unique_writes():
+    """Writes (scatter_, index_copy_) where no two entries of the index name the same slot: torch's plain kernels
+    are then deterministic, so they run outside torch's deterministic mode, whose sort-based CUDA scatter (and its
     index checks) took 10 ms of a 16 ms decode step on an H200 (issue 16). The mode is restored after."""
     if not torch.are_deterministic_algorithms_enabled():
-        return dst.scatter_(dim, index, src)
+        yield
+        return
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(False)
     try:
-        return dst.scatter_(dim, index, src)
+        yield
     finally:
         torch.use_deterministic_algorithms(True, warn_only=warn_only)
+
+
+def write_slots(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst.scatter_(dim, index, src) where no two entries of index name the same slot (`unique_writes`)."""
+    with unique_writes():
+        return dst.scatter_(dim, index, src)
 
 
 def _keys_values(k, v, slot, layer: int, cache: KVCache | None, ctx_len: int):

@@ -97,7 +97,7 @@ class CudaPagedEngine:
         token_bytes = kv_token_bytes(self.config, self.weights.embed.dtype.itemsize)
         self.core = EngineCore(
             self.weights, self.ops, ctx_len, pool.blocks(free, token_bytes, ctx_len, max_batch_size),
-            pool.block_size, pool.prefill_chunk, max_batch_size, torch.Generator(), device=self.device,
+            pool.block_size, pool.prefill_chunk, max_batch_size, torch.Generator(self.device), device=self.device,
             pool_type=pool_type,
         )  # fmt: skip
         self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from detrl.models.decode_attention import decode_width
-from detrl.models.forward import Weights, layer_post, layer_pre
+from detrl.models.forward import Weights, layer_post, layer_pre, unique_writes
 from detrl.models.ops import Ops, sdpa_attention
 
 
@@ -193,9 +193,10 @@ class KVPool:
     def write(self, layer: int, k, v, plan: Plan) -> None:
         """k, v [B, Hkv, T, D] into the layer's pool at the plan's slots (its valid tokens only)."""
         d = k.shape[-1]
-        for pool, x in ((self.k[layer], k), (self.v[layer], v)):
-            rows = x.reshape(-1, d)
-            pool.index_copy_(0, plan.write, rows if plan.valid is None else rows[plan.valid])
+        with unique_writes():  # a token's slot is its own: on CUDA, no sort-based deterministic index_put
+            for pool, x in ((self.k[layer], k), (self.v[layer], v)):
+                rows = x.reshape(-1, d)
+                pool.index_copy_(0, plan.write, rows if plan.valid is None else rows[plan.valid])
 
     def _gathered(self, layer: int, read: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks `read` [B, Hkv, nb] of the layer's K and V -> their first `width` slots [B, Hkv, W, D] each,

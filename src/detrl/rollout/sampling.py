@@ -75,8 +75,10 @@ def hashed_gumbel(
 
 
 def stream_gumbel(generator: torch.Generator, lead: tuple[int, ...], vocab: int) -> torch.Tensor:
-    """Gumbel noise [*lead, V] from the next draws of a shared generator (whoever calls first gets them)."""
-    u = torch.rand(*lead, vocab, generator=generator, dtype=torch.float64).clamp_min(1e-300)
+    """Gumbel noise [*lead, V] from the next draws of a shared generator (whoever calls first gets them), on the
+    generator's device."""
+    u = torch.rand(*lead, vocab, generator=generator, dtype=torch.float64, device=generator.device)
+    u = u.clamp_min(1e-300)
     return gumbel(u)
 
 

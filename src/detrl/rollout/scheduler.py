@@ -50,20 +50,24 @@ class SeededNoise:
     are hashed together for their next positions ([R, C, V] in one call, not one [R, V] call per step) into a
     [max_running, C, V] buffer, read a row and position at a time. The noise is a function of (seed, position,
     vocab id) alone, so the chunking changes no bit. `chunk` is `sampling.noise_chunk`'s, as the static engine's:
-    1 (no buffer) for a real vocabulary."""
+    1 (no buffer) for a real vocabulary. It is hashed on `device`, where the logits are: integer hashing is exact
+    anywhere, and a [rows, V] float64 tensor per step is too much to hash on the host and copy (Qwen3's vocab)."""
 
-    def __init__(self, rows: int, vocab: int):
+    def __init__(self, rows: int, vocab: int, device: torch.device | str = "cpu"):
         self.vocab, self.chunk, self.rows = vocab, noise_chunk(rows, vocab), rows
+        self.device = torch.device(device)
         self.free = list(range(rows - 1, -1, -1))  # buffer rows not held by a sequence
         self.buf: torch.Tensor | None = None
 
     def take(self, rows: list[Sequence]) -> torch.Tensor:
         """The noise [G, V] of each row's next token (position len(tokens))."""
         pos = [len(s.tokens) for s in rows]
+        dev = self.device
         if self.chunk == 1:
-            return hashed_gumbel(torch.tensor([s.request.seed for s in rows]), torch.tensor(pos), self.vocab)
+            seeds = torch.tensor([s.request.seed for s in rows], device=dev)
+            return hashed_gumbel(seeds, torch.tensor(pos, device=dev), self.vocab)
         if self.buf is None:
-            self.buf = torch.empty(len(self.free), self.chunk, self.vocab, dtype=torch.float64)
+            self.buf = torch.empty(len(self.free), self.chunk, self.vocab, dtype=torch.float64, device=dev)
         out = [s for s, p in zip(rows, pos) if s.noise is None or not 0 <= p - s.noise[1] < s.noise[2]]
         if out:
             steps = min(
@@ -71,12 +75,11 @@ class SeededNoise:
             )  # positions still to sample
             for s in out:
                 s.noise = (self.free.pop() if s.noise is None else s.noise[0], len(s.tokens), steps)
-            start = torch.tensor([s.noise[1] for s in out])
-            noise = hashed_gumbel(
-                torch.tensor([s.request.seed for s in out]), start[:, None] + torch.arange(steps), self.vocab
-            )
-            self.buf[torch.tensor([s.noise[0] for s in out]), :steps] = noise
-        at = torch.tensor([s.noise[0] * self.chunk + p - s.noise[1] for s, p in zip(rows, pos)])
+            start = torch.tensor([s.noise[1] for s in out], device=dev)
+            seeds = torch.tensor([s.request.seed for s in out], device=dev)
+            noise = hashed_gumbel(seeds, start[:, None] + torch.arange(steps, device=dev), self.vocab)
+            self.buf[torch.tensor([s.noise[0] for s in out], device=dev), :steps] = noise
+        at = torch.tensor([s.noise[0] * self.chunk + p - s.noise[1] for s, p in zip(rows, pos)], device=dev)
         return self.buf.view(-1, self.vocab).index_select(0, at)
 
     def clear(self) -> None:
@@ -132,8 +135,10 @@ class EngineCore:
         self.device = torch.device(device)  # where the pool and the forward live
         self.pool_type = pool_type or pool_for(ops)  # None: the gathering pool the op set's attention reads
         self.rope = rope_tables(weights.config, ctx_len, self.device, weights.embed.dtype)
-        self.seeded = SeededNoise(max_running, weights.config.vocab_size)
-        self.generator = generator or torch.Generator().manual_seed(0)
+        self.seeded = SeededNoise(max_running, weights.config.vocab_size, self.device)
+        self.generator = generator or torch.Generator(self.device).manual_seed(
+            0
+        )  # unseeded draws, on its device
         self.pool: KVPool | None = None
         self.manager = BlockManager(blocks, block_size)
         self.waiting: deque[Sequence] = deque()
@@ -334,11 +339,12 @@ class EngineCore:
         return leaving
 
     def _noise(self, rows: list[Sequence], vocab: int) -> torch.Tensor:
-        """Gumbel noise [G, V]: seeded rows hash (seed, position, vocab id); the others draw from the stream."""
+        """Gumbel noise [G, V] on the core's device: seeded rows hash (seed, position, vocab id); the others draw from
+        the stream (`generator`, on its device)."""
         seeded = [i for i, s in enumerate(rows) if s.request.seed is not None]
         if len(seeded) == len(rows):
             return self.seeded.take(rows)
-        out = torch.empty(len(rows), vocab, dtype=torch.float64)
+        out = torch.empty(len(rows), vocab, dtype=torch.float64, device=self.device)
         if seeded:
             out[seeded] = self.seeded.take([rows[i] for i in seeded])
         rest = [i for i, s in enumerate(rows) if s.request.seed is None]
