@@ -127,7 +127,7 @@ def test_the_gpu_benchmark_lists_its_sections():
         [sys.executable, "benchmarks/gpu.py", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "{bench,profile,profile16,kernels,tiles}" in proc.stdout
+    assert "{bench,profile,profile16,paged,kernels,tiles}" in proc.stdout
 
 
 def test_each_gpu_section_parses_its_arguments(gpu_bench, capsys):
@@ -136,6 +136,8 @@ def test_each_gpu_section_parses_its_arguments(gpu_bench, capsys):
     assert parse(["profile", "--model", "qwen3_moe_a3b_6l"]).model == "qwen3_moe_a3b_6l"
     assert parse(["tiles", "--out", "t.json"]).run is gpu_bench.tiles
     assert parse(["kernels"]).out is None
+    paged = parse(["paged", "--batch", "8", "--json", "p.json"])
+    assert paged.run is gpu_bench.paged and (paged.batch, paged.new, paged.modes) == (8, 64, "on,off")
     old = parse(["--sections", "targets,trl", "--grpo-steps", "3"])  # the bench section's own form
     assert old.run is gpu_bench.bench and old.sections == ["targets", "trl"] and old.grpo_steps == 3
     assert parse(["bench"]).sections == ["rollout", "grpo", "trl"]

@@ -335,11 +335,14 @@ def test_decodes_cut_to_narrower_key_widths_keep_the_trainers_logprobs(monkeypat
         assert torch.equal(torch.tensor(done[r.uid].logprobs), full[i, p - 1 : p - 1 + new]), i
 
 
-@pytest.mark.parametrize("vocab", [64, 2**20])  # chunks of 16 positions; a vocab too large to buffer: chunk 1
-def test_seeded_noise_in_chunks_is_each_positions_hash_as_rows_join_and_leave(vocab):
+# chunks of 16 positions; a vocab too large to buffer (the buffer's cap lowered: a real vocab's path, 2,000x smaller)
+@pytest.mark.parametrize("vocab,cap", [(64, 2**22), (512, 2**10)])
+def test_seeded_noise_in_chunks_is_each_positions_hash_as_rows_join_and_leave(vocab, cap, monkeypatch):
+    from detrl.rollout import sampling
     from detrl.rollout.sampling import hashed_gumbel
     from detrl.rollout.scheduler import SeededNoise, Sequence
 
+    monkeypatch.setattr(sampling, "NOISE_ELEMENTS", cap)
     params = SamplingParams(1.0, 1.0, 40, ())
     noise = SeededNoise(4, vocab)
     assert noise.chunk == (16 if vocab == 64 else 1)
