@@ -595,21 +595,29 @@ def profiled(fn, enabled: bool) -> None:
         print(top_kernels(prof), flush=True)
 
 
-def profile16(args: argparse.Namespace) -> None:
+def mode_requests(mode: str, batch: int, n: int):
+    """A mode's determinism flags (set now) and GPU runtime, and `batch` requests in groups of n, seeded under on
+    as the trainer sends them. -> (det, rt, requests)."""
     from detrl import determinism as det_mod
     from detrl import runtime
+    from detrl.rollout.base import Request
+
+    det = det_mod.setup(mode == "on", 0)
+    rt = runtime.make(det, "cuda", torch.bfloat16)
+    reqs = [
+        Request(i // n, i % n, tuple(p), seed=det.sampling_seed(1, i // n, i % n))
+        for i, p in enumerate(prompts(batch))
+    ]
+    return det, rt, reqs
+
+
+def profile16(args: argparse.Namespace) -> None:
     from detrl.models.forward import rope_tables
     from detrl.models.logprobs import sequence_logprobs
-    from detrl.rollout.base import Request
 
     model = random_model(args.model)
     for mode in args.modes.split(","):
-        det = det_mod.setup(mode == "on", 0)
-        rt = runtime.make(det, "cuda", torch.bfloat16)
-        reqs = [
-            Request(i // 8, i % 8, tuple(p), seed=det.sampling_seed(1, i // 8, i % 8))
-            for i, p in enumerate(prompts(args.batch))
-        ]
+        det, rt, reqs = mode_requests(mode, args.batch, 8)
         eng, ctx = decode_engine(
             model, rt.ops, args.batch, det.fixed_routing, dtype=torch.bfloat16, compile=rt.compile
         )
@@ -647,20 +655,13 @@ graphs). --profile adds the top ops by host time of one call. JSON (--json): ms_
 
 
 def paged(args: argparse.Namespace) -> None:
-    from detrl import determinism as det_mod
-    from detrl import runtime
-    from detrl.rollout.base import Request, SamplingParams
+    from detrl.rollout.base import SamplingParams
     from detrl.rollout.cuda_paged import CudaPagedEngine
 
     model, out = random_model(args.model), {}
     ctx = -(-(len(prompts(1)[0]) + args.new) // 16) * 16
     for mode in args.modes.split(","):
-        det = det_mod.setup(mode == "on", 0)
-        rt = runtime.make(det, "cuda", torch.bfloat16)
-        reqs = [
-            Request(i // 4, i % 4, tuple(p), seed=det.sampling_seed(1, i // 4, i % 4))
-            for i, p in enumerate(prompts(args.batch))
-        ]
+        det, rt, reqs = mode_requests(mode, args.batch, 4)
         eng = CudaPagedEngine(
             model, rt.ops, ctx, SamplingParams(1.0, 1.0, args.new, ()), 0, args.batch, det.fixed_routing
         )
