@@ -12,7 +12,8 @@ reference only (other work). The matched TRL row runs at the process's intra-op 
 2 cores TRL's step is faster at one: its ops are small), and the ratios are taken against the faster of the two,
 TRL at its best; detrl runs as `python train.py` does, plus `off` at one thread.
 Runs alternate (the table's rows, in order) for `--rounds` rounds; the first 2 steps of every run are warm-up;
-the table shows the median step time over the rest.
+the table shows the median step time over the rest, and the median rollout + reward part of it (detrl's
+`timing_s/rollout`; TRL's `_generate_and_score_completions`, timed around the trainer's own method).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def detrl_steps(determinism: str, steps: int, out: Path) -> list[float]:
             )
         )
     train(cfg, out)
-    return [r["timing_s/step"] for r in load_metrics(out)][WARMUP:]
+    rec = load_metrics(out)[WARMUP:]
+    return {"step": [r["timing_s/step"] for r in rec], "rollout": [r["timing_s/rollout"] for r in rec]}
 
 
 # TRL with detrl's numerics: fp32, no autocast, no recomputation (its defaults are bf16=True and
@@ -127,14 +129,14 @@ def trl_steps(steps: int, out: Path, numerics: dict) -> list[float]:
     def reward(prompts, completions, **kwargs):
         return [exact_match_reward(c, answers[p]) for p, c in zip(prompts, completions)]
 
-    times: list[float] = []
+    times: dict[str, list[float]] = {"step": [], "rollout": []}
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
+            times["step"].append(time.perf_counter() - self.t0)
 
     args = trl_args(out, steps, numerics)
     model = build_model(ModelConfig(), seed=0)
@@ -146,8 +148,17 @@ def trl_steps(steps: int, out: Path, numerics: dict) -> list[float]:
         processing_class=tok,
         callbacks=[Timer()],
     )
+    generate_and_score = trainer._generate_and_score_completions  # TRL's rollout + reward, once a step here
+
+    def timed_rollout(*a, **kw):
+        t0 = time.perf_counter()
+        out = generate_and_score(*a, **kw)
+        times["rollout"].append(time.perf_counter() - t0)
+        return out
+
+    trainer._generate_and_score_completions = timed_rollout
     trainer.train()
-    return times[WARMUP:]
+    return {k: v[WARMUP:] for k, v in times.items()}
 
 
 def rows(threads: int) -> dict[str, tuple]:
@@ -180,20 +191,23 @@ def main() -> None:
     ap.add_argument(
         "--json",
         type=Path,
-        help="also write the figures here (step_s, vs_trl, per_round, trl_best, settings)",
+        help="also write the figures here (step_s, vs_trl, per_round, trl_best, rollout_s, settings)",
     )
     args = ap.parse_args()
     register_configs()
     table = rows(torch.get_num_threads())
     times: dict[str, list[float]] = {key: [] for key, _, _ in table.values()}
+    rollout: dict[str, list[float]] = {key: [] for key, _, _ in table.values()}
     per_round: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             this = {}
             for key, threads, run in table.values():
                 with intra_op_threads(threads):
-                    this[key] = run(args.steps, Path(tmp) / f"{key}{r}")
-                times[key] += this[key]
+                    got = run(args.steps, Path(tmp) / f"{key}{r}")
+                this[key] = got["step"]
+                times[key] += got["step"]
+                rollout[key] += got["rollout"]
             per_round.append({k: statistics.median(v) for k, v in this.items()})
     shown = non_default_args(TRL_MATCHED)
     print(
@@ -201,15 +215,24 @@ def main() -> None:
         + ", ".join(f"{k}={v!r}" for k, v in sorted(shown.items()))
     )
     figures = summarize(times, per_round)
+    figures["rollout_s"] = {k: statistics.median(v) for k, v in rollout.items()}
     print(
         f"\n{PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, GRPO, no reference model, CPU, fp32; "
         f"median of {args.rounds} x {args.steps - WARMUP} steps; ratios against {figures['trl_best']} "
         "(the faster TRL row at the same numerics)\n"
     )
-    print("| trainer | median step (s) | vs TRL at its best (same numerics) | per round |\n|---|---|---|---|")
+    print(
+        "| trainer | median step (s) | vs TRL at its best (same numerics) | per round | rollout + reward (s) |"
+        "\n|---|---|---|---|---|"
+    )
     for name, (key, _, _) in table.items():
         rounds = ", ".join(f"{pr[key]:.2f}x" for pr in figures["per_round"])
-        print(f"| {name} | {figures['step_s'][key]:.3f} | {figures['vs_trl'][key]:.2f}x | {rounds} |")
+        step, roll = figures["step_s"][key], figures["rollout_s"][key]
+        print(f"| {name} | {step:.3f} | {figures['vs_trl'][key]:.2f}x | {rounds} | {roll:.3f} |")
+    print(
+        "\nrollout + reward: detrl's timing_s/rollout, TRL's _generate_and_score_completions (medians per step); "
+        "the rest of a step is the update (and detrl's weight sync and per-step metrics)"
+    )
     if args.json:
         workload = dict(prompts=PROMPTS, samples=SAMPLES, max_new_tokens=NEW_TOKENS, warmup_steps=WARMUP)
         figures.update(
