@@ -41,7 +41,7 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 PROMPTS, SAMPLES, NEW_TOKENS, WARMUP = 8, 4, 16, 2
 
 
-def detrl_steps(determinism: str, steps: int, out: Path) -> list[float]:
+def detrl_steps(determinism: str, steps: int, out: Path) -> dict[str, list[float]]:
     from detrl.analysis import load_metrics
     from detrl.trainer import train
 
@@ -116,7 +116,7 @@ def non_default_args(numerics: dict) -> dict:
     return {k: v for k, v in given.items() if defaults.get(k, object()) != v}
 
 
-def trl_steps(steps: int, out: Path, numerics: dict) -> list[float]:
+def trl_steps(steps: int, out: Path, numerics: dict) -> dict[str, list[float]]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOTrainer
