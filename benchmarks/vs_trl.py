@@ -162,7 +162,8 @@ def trl_steps(steps: int, out: Path, numerics: dict) -> dict[str, list[float]]:
 
 
 def rows(threads: int) -> dict[str, tuple]:
-    """The table's rows: name -> (key, intra-op threads (None: the process's), run(steps, out) -> {"step", "rollout"}: seconds per step).
+    """The table's rows: name -> (key, intra-op threads (None: the process's), run(steps, out) -> seconds per step
+    of the whole step and of its rollout, {"step": [...], "rollout": [...]}).
     TRL's matched row runs at the process's threads and at one: on 2 cores its `generate` and update are faster at
     one (many small ops); ratios are taken against the faster matched row (a peer at its best). detrl's rows run
     as `python train.py` does (the process's threads), plus `off` at one thread."""
