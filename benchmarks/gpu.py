@@ -1168,6 +1168,7 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--batch", type=int, default=64)
         p.add_argument("--model", default=DENSE)
     prof16.add_argument("--modes", default="on,off")
+    prof16.add_argument("--no-profile", action="store_true")
     pag = sub.choices["paged"]
     pag.add_argument("--model", default=DENSE)
     pag.add_argument("--batch", type=int, default=32)
@@ -1175,7 +1176,6 @@ def parser() -> argparse.ArgumentParser:
     pag.add_argument("--modes", default="on,off")
     pag.add_argument("--profile", action="store_true")
     pag.add_argument("--json", default=None, help="write ms_per_decode_step here")
-    prof16.add_argument("--no-profile", action="store_true")
     for name in ("kernels", "tiles"):
         sub.choices[name].add_argument("--out", default=None, help="write the results here as JSON")
     return ap

@@ -136,9 +136,8 @@ class EngineCore:
         self.pool_type = pool_type or pool_for(ops)  # None: the gathering pool the op set's attention reads
         self.rope = rope_tables(weights.config, ctx_len, self.device, weights.embed.dtype)
         self.seeded = SeededNoise(max_running, weights.config.vocab_size, self.device)
-        self.generator = generator or torch.Generator(self.device).manual_seed(
-            0
-        )  # unseeded draws, on its device
+        # the stream of unseeded draws, on the core's device (where the noise is made)
+        self.generator = generator or torch.Generator(self.device).manual_seed(0)
         self.pool: KVPool | None = None
         self.manager = BlockManager(blocks, block_size)
         self.waiting: deque[Sequence] = deque()
@@ -314,7 +313,7 @@ class EngineCore:
             whole = len(idx) == len(rows)  # one group (the usual case): no row gathers
             group = rows if whole else [rows[i] for i in idx]
             logp = log_probs(logits if whole else logits[idx], temperature)  # [G, V]
-            tok = sample(logp, self._noise(group, logp.shape[-1]).to(logp.device), top_p)
+            tok = sample(logp, self._noise(group, logp.shape[-1]), top_p)  # both on the core's device
             lp = logp.gather(-1, tok[:, None]).squeeze(-1).tolist()
             ids = None if route is None else (route if whole else route[idx]).to(torch.int16).cpu().numpy()
             leaving += self._append(group, tok.tolist(), lp, ids)
