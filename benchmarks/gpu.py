@@ -648,10 +648,14 @@ def profile16(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
-PAGED = """The paged engine core on one GPU (what `train.py device=cuda` runs): ms per decode step of
-`CudaPagedEngine.generate` on batch prompts x new tokens (seeded requests under on, as the trainer sends them; no
-stop token, so every step decodes the whole batch), per mode with its op set and torch flags, eager (no CUDA
-graphs). --profile adds the top ops by host time of one call. JSON (--json): ms_per_decode_step.{on,off}."""
+PAGED = """The paged engine core on one GPU (what `train.py device=cuda` runs): `CudaPagedEngine.generate` on
+batch prompts x up to --new tokens (seeded requests under on, as the trainer sends them), per mode with its op set
+and torch flags, with its decode steps as CUDA graphs (the default) and eager, side by side in one run. With
+--stops N the first N token ids stop a sequence (a random-init model samples near uniformly, so lengths spread and
+the batch shrinks, the padded buckets' case); with 0 (the default) every step decodes the whole batch. Reported:
+ms per decode step (the call's time / the longest response) and tokens per second. --profile adds the top ops by
+host time of one call. JSON (--json): ms_per_decode_step.{on,off}, tokens_per_s.{on,off} (graphs) and the same
+under *_eager."""
 
 
 def paged(args: argparse.Namespace) -> None:
@@ -660,26 +664,40 @@ def paged(args: argparse.Namespace) -> None:
 
     model, out = random_model(args.model), {}
     ctx = -(-(len(prompts(1)[0]) + args.new) // 16) * 16
+    params = SamplingParams(1.0, 1.0, args.new, tuple(range(args.stops)))
     for mode in args.modes.split(","):
         det, rt, reqs = mode_requests(mode, args.batch, 4)
-        eng = CudaPagedEngine(
-            model, rt.ops, ctx, SamplingParams(1.0, 1.0, args.new, ()), 0, args.batch, det.fixed_routing
-        )
-        eng.generate(reqs)  # warm: the Triton kernels compile
-        out[mode] = timed(lambda eng=eng, reqs=reqs: eng.generate(reqs), 2) / args.new * 1e3
-        print(f"[{mode}] {rt.ops.name}: {out[mode]:.2f} ms per decode step (batch {args.batch})", flush=True)
-        if args.profile:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                eng.generate(reqs)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
-        eng.close()
-        del eng
-        torch.cuda.empty_cache()
+        for graphs in (True, False):
+            eng = CudaPagedEngine(model, rt.ops, ctx, params, 0, args.batch, det.fixed_routing, graphs=graphs)
+            eng.generate(reqs)  # warm: the Triton kernels compile, the graphs are captured
+            got: list = []
+            secs = timed(lambda eng=eng, reqs=reqs, got=got: got.append(eng.generate(reqs)), 2)
+            tokens = sum(len(r.tokens) for r in got[-1])
+            name = mode if graphs else f"{mode}_eager"
+            out[name] = dict(ms=secs / max(len(r.tokens) for r in got[-1]) * 1e3, tok_s=tokens / secs)
+            print(
+                f"[{name}] {rt.ops.name}: {out[name]['ms']:.2f} ms per decode step, {out[name]['tok_s']:.0f} "
+                f"tokens/s ({tokens} tokens, batch {args.batch})",
+                flush=True,
+            )
+            if args.profile:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    eng.generate(reqs)
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+            eng.close()
+            del eng
+            torch.cuda.empty_cache()
     if args.json:
         settings = dict(
-            model=args.model, batch=args.batch, new_tokens=args.new, ctx_len=ctx, dtype="bfloat16"
-        )
-        Path(args.json).write_text(json.dumps({"ms_per_decode_step": out, "settings": settings}, indent=1))
+            model=args.model, batch=args.batch, new_tokens=args.new, ctx_len=ctx, dtype="bfloat16",
+            stop_ids=args.stops,
+        )  # fmt: skip
+        figures = {
+            f"{key}{suffix}": {m: out[m + suffix][field] for m in args.modes.split(",")}
+            for key, field in (("ms_per_decode_step", "ms"), ("tokens_per_s", "tok_s"))
+            for suffix in ("", "_eager")
+        }
+        Path(args.json).write_text(json.dumps({**figures, "settings": settings}, indent=1))
 
 
 # ---------------------------------------------------------------------------------------------- kernels, tiles
@@ -1174,8 +1192,9 @@ def parser() -> argparse.ArgumentParser:
     pag.add_argument("--batch", type=int, default=32)
     pag.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     pag.add_argument("--modes", default="on,off")
+    pag.add_argument("--stops", type=int, default=0, help="token ids 0..N-1 stop a sequence")
     pag.add_argument("--profile", action="store_true")
-    pag.add_argument("--json", default=None, help="write ms_per_decode_step here")
+    pag.add_argument("--json", default=None, help="write ms_per_decode_step, tokens_per_s here")
     for name in ("kernels", "tiles"):
         sub.choices[name].add_argument("--out", default=None, help="write the results here as JSON")
     return ap
@@ -1189,7 +1208,7 @@ SECTIONS = {  # name: (function, one-line help, description)
         "determinism on vs off: decode and the trainer's logprob pass, profiled",
         PROFILE16,
     ),
-    "paged": (paged, "the paged engine core: ms per decode step, determinism on vs off", PAGED),
+    "paged": (paged, "the paged engine core: decode steps as graphs vs eager, determinism on vs off", PAGED),
     "kernels": (kernels, "the Triton kernels vs torch: bitwise checks and times", KERNELS),
     "tiles": (tiles, "the invariant gemm's tilings: bits vs the fixed tiles, times vs cuBLAS", TILES),
 }

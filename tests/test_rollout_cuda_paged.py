@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,6 +57,65 @@ def test_on_cpu_it_gives_the_embedded_workers_bits(name, ops, seeded):
     finally:
         emb.close()
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_a_padded_decode_step_gives_the_eager_steps_bits(name):
+    """The CUDA graphs' step, run eagerly on CPU (capture=False): rows padded to a power-of-two bucket that
+    write the sink block and read the zero block, keys read at a power-of-two width. Under the batch-invariant
+    ops every token, logprob and expert id is the plain step's, across a weight update (the pool rebuilt)."""
+    from detrl.rollout.cuda_graphs import DecodeGraphs
+
+    model, reqs = tiny_model(name), _requests()
+    kw = dict(max_batch_size=5, pool=PoolSpec(block_size=4, prefill_chunk=8, kv_pool_tokens=64 * 4))
+    plain = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=3, device="cpu", **kw)
+    padded = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=3, device="cpu", **kw)
+    steps = []
+
+    class Counted(DecodeGraphs):
+        def __call__(self, pool, tokens, *rest):
+            steps.append(tokens.shape[0])
+            return super().__call__(pool, tokens, *rest)
+
+    graphs = Counted(padded.weights, padded.ops, CTX, padded.core.rope, 5, "cpu", capture=False)
+    padded.core.decode = graphs
+    for _ in range(2):
+        ref = plain.generate(reqs)
+        assert bits(padded.generate(reqs)) == bits(ref)
+        if name == "qwen3_moe":
+            got = {r.uid: r.routed_experts for r in padded.generate(reqs)}
+            assert all(np.array_equal(got[r.uid], r.routed_experts) for r in plain.generate(reqs))
+        assert {3, 5} & set(steps)  # steps of 3 and 5 rows ran padded to 4 and 8
+        state = {k: v + 0.01 for k, v in model.state_dict().items()}
+        plain.update_weights(state)
+        padded.update_weights(state)
+        assert graphs.pool is None  # the pool's graphs dropped with it
+
+
+def test_a_padding_row_writes_only_the_sink_block():
+    """After a padded step the zero block is still zeros (rows past their blocks read it as masked keys)."""
+    from detrl.rollout.cuda_graphs import DecodeGraphs
+
+    model, reqs = tiny_model("qwen3"), _requests(groups=1, n=3)
+    with torch.no_grad():  # padding rows feed token 0, whose embedding (the pad id's) is zeros: not here
+        model.model.embed_tokens.weight[0] = 1.0
+    eng = CudaPagedEngine(model, DEFAULT_OPS, CTX, PARAMS, seed=3, device="cpu", max_batch_size=3,
+                          pool=PoolSpec(block_size=4, prefill_chunk=8, kv_pool_tokens=64 * 4))  # fmt: skip
+    graphs = DecodeGraphs(eng.weights, eng.ops, CTX, eng.core.rope, 3, "cpu", capture=False)
+    eng.core.decode = graphs
+    seen = []
+    write = eng.core.pool_type.write
+
+    def spy(pool, layer, k, v, plan):
+        write(pool, layer, k, v, plan)
+        zero = pool.zero_slots()
+        seen.append((bool(pool.k[layer][zero].any()), bool(pool.v[layer][zero].any()), len(plan.write)))
+
+    eng.core.pool_type = type("Spied", (eng.core.pool_type,), {"write": spy})
+    eng.generate(reqs)
+    hkv = model.config.num_key_value_heads
+    assert any(n == 4 * hkv for *_, n in seen)  # steps of 3 rows ran as 4
+    assert not any(k or v for k, v, _ in seen)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -110,6 +170,9 @@ def test_gpu_on_logprobs_are_the_trainers_and_invariant_to_the_schedule(cfg):
     back = {r.uid: r for r in _gpu_run(model, ops, reqs[::-1])[1]}
     assert bits([back[r.uid] for r in ref]) == bits(ref)
     assert _trainer_logprobs(model, ops, reqs, ref) == [r.logprobs for r in ref]
+    eager, out = _gpu_run(model, ops, reqs, graphs=False)
+    assert eng.core.decode is not None and eng.core.decode.graphs and eager.core.decode is None
+    assert bits(out) == bits(ref)  # the replayed decode steps are the eager ones, bit for bit
 
 
 @pytest.mark.gpu

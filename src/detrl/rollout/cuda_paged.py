@@ -21,9 +21,10 @@ from collections.abc import Iterable
 import torch
 
 from detrl.models.forward import engine_copy
-from detrl.models.ops import Ops, sdpa_attention
+from detrl.models.ops import Ops, moe_dispatch, sdpa_attention
 from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.batching import check_fits, prompt_groups
+from detrl.rollout.cuda_graphs import DecodeGraphs
 from detrl.rollout.paged import KVPool, LivePool, Plan, PoolSpec, kv_token_bytes, pool_for
 from detrl.rollout.scheduler import EngineCore
 from detrl.rollout.weight_views import copy_into
@@ -44,6 +45,9 @@ class KernelPool(KVPool):
 
     def read_width(self, width: int, decode: bool) -> int:
         return width  # unread: the kernel walks the block tables
+
+    def graph_width(self, width: int) -> int:
+        return self.ctx_len  # one graph per bucket: the kernel's reads follow the positions, on the device
 
     pads = False  # the kernel reads the pool in place, a cold prefill too
 
@@ -79,6 +83,7 @@ class CudaPagedEngine:
         device: torch.device | str = "cuda",
         dtype: torch.dtype = torch.bfloat16,
         pool: PoolSpec = DEVICE_POOL,
+        graphs: bool = True,
     ):
         self.device, self.ctx_len, self.params = torch.device(device), ctx_len, params
         self.max_batch_size, self.fixed_routing = max_batch_size, fixed_routing
@@ -100,6 +105,12 @@ class CudaPagedEngine:
             pool.block_size, pool.prefill_chunk, max_batch_size, torch.Generator(self.device), device=self.device,
             pool_type=pool_type,
         )  # fmt: skip
+        # decode steps as CUDA graphs, unless the MoE dispatch syncs the host (its per-expert loop)
+        moe_syncs = getattr(self.config, "num_experts", None) and self.ops.moe is moe_dispatch
+        if graphs and self.device.type == "cuda" and not moe_syncs:
+            self.core.decode = DecodeGraphs(
+                self.weights, self.ops, ctx_len, self.core.rope, max_batch_size, self.device
+            )
         self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)
         self.batch_log: list[tuple[int, tuple[tuple[int, int], ...]]] = []
         self._call = 0

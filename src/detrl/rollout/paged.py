@@ -98,7 +98,8 @@ class SeqBlocks:
 
 
 class KVPool:
-    """Per layer K and V [blocks + 1, block_size, Hkv, D]; block `blocks` stays zero (unused key slots)."""
+    """Per layer K and V [blocks + 2, block_size, Hkv, D]: block `blocks` stays zero (unused key slots), block
+    `blocks + 1` is a sink no row reads (the padding rows of a CUDA graph's bucket write there)."""
 
     def __init__(
         self,
@@ -115,7 +116,8 @@ class KVPool:
             ctx_len,
             torch.device(device),
         )
-        self.hkv, self.size = config.num_key_value_heads, (blocks + 1) * block_size  # slots per head
+        self.hkv, self.size = config.num_key_value_heads, (blocks + 2) * block_size  # slots per head
+        self.sink_slot = (blocks + 1) * block_size  # a slot no row reads
         self.head_dim, self.dtype = config.head_dim, dtype
         shape = (self.hkv * self.size, config.head_dim)  # head-major: a row's gather is one copy
         layers = config.num_hidden_layers
@@ -127,6 +129,9 @@ class KVPool:
         self._pad: torch.Tensor | None = None  # [2 (K, V), B, Hkv, ctx_len, D], reused by `_padded`
         self._dirty = 0  # the widest slot `_pad` holds + 1: past it, it is zeros
         self._read: torch.Tensor | None = None  # [2 (K, V), blocks, block_size D], reused by `_gathered`
+        # on CUDA the caching allocator makes a fresh buffer cheap, and a buffer kept across calls would tie a
+        # captured graph to memory an eager call may free
+        self._reuse = self.device.type == "cpu"
 
     def zero_slots(self) -> torch.Tensor:
         """The flat pool indices of the zero block's slots, in every head."""
@@ -152,17 +157,24 @@ class KVPool:
     pads = True  # a step other than a decode reads all ctx_len slots (`_padded`)
 
     def plan(
-        self, write: torch.Tensor, valid: torch.Tensor | None, slots: torch.Tensor, fresh: bool = False
+        self,
+        write: torch.Tensor,
+        valid: torch.Tensor | None,
+        slots: torch.Tensor,
+        fresh: bool = False,
+        width: int | None = None,
     ) -> Plan:
         """The flat indices one step's layers share: where tokens [B, T] (where `valid`; None: all) write, what
         rows read per head: [B, Hkv, W], the first W of their ctx_len slots, W the most blocks any row holds
         (every slot past W is the zero block's, in every row), widened as `read_width` says, as the pool blocks
         that hold them: [B, Hkv, ceil(W / block_size)] rows of the pool seen as [Hkv (blocks + 1), block_size D].
         `fresh`: every row's tokens start at position 0 (a cold prefill), so what the step writes is all its rows
-        hold and the step's own keys are read, not gathered back (the slots differ at masked keys only)."""
+        hold and the step's own keys are read, not gathered back (the slots differ at masked keys only).
+        `width`: W as the caller knows it from the block tables (None: counted from `slots`, a host sync on a
+        device), or any width >= W (a CUDA graph's bucket)."""
         w = (write[:, None, :] + self._heads[None, :, None]).reshape(-1)  # [B Hkv T]
         mask = None if valid is None else valid[:, None, :].expand(-1, self.hkv, -1).reshape(-1)
-        width = self.read_width(self.width(slots), write.shape[1] == 1)
+        width = self.read_width(self.width(slots) if width is None else width, write.shape[1] == 1)
         table = torch.div(slots[:, :: self.block_size], self.block_size, rounding_mode="floor")  # [B, blocks]
         read = table[:, None, : -(-width // self.block_size)] + self._head_blocks[None, :, None]
         return Plan(w if mask is None else w[mask], mask, read, width, fresh and self.pads)
@@ -178,6 +190,11 @@ class KVPool:
     def width(self, slots: torch.Tensor) -> int:
         """W: the slots the widest row of [B, ctx_len] holds in real blocks (tables are real blocks, then zeros)."""
         return int((slots < self.blocks * self.block_size).sum(1).max())
+
+    def graph_width(self, width: int) -> int:
+        """The width a captured decode step reads for a batch of width W: W's power-of-two bucket (>= one block,
+        <= ctx_len), so that few graphs serve every step."""
+        return min(self.ctx_len, max(self.block_size, 1 << max(0, width - 1).bit_length()))
 
     def write_read(self, layer: int, k, v, plan: Plan):
         """Write k, v [B, Hkv, T, D] at the plan's slots, then gather keys, values: a decode step's [B, Hkv, W,
@@ -203,9 +220,11 @@ class KVPool:
         copied a block at a time into a reused buffer (shared by the layers like `_pad`: a fresh multi-MB
         tensor per layer and step costs more than the copy, and so do slot-sized copies)."""
         (b, h, nb), row = read.shape, self.block_size * self.head_dim
-        if self._read is None or self._read.shape[1] < read.numel():
+        if not self._reuse or self._read is None or self._read.shape[1] < read.numel():
             self._read = self.k[layer].new_empty((2, read.numel(), row))
         out = self._read[:, : read.numel()]
+        if not self._reuse:
+            self._read = None
         for pool, dst in zip((self.k[layer], self.v[layer]), out, strict=True):
             torch.index_select(pool.view(-1, row), 0, read.reshape(-1), out=dst)
         return tuple(x.view(b, h, nb * self.block_size, self.head_dim)[:, :, :width] for x in out)
@@ -327,11 +346,11 @@ class BlockManager:
 
 def paged_forward(
     w: Weights, tokens, positions, ops: Ops, ctx_len: int, rope, pool: KVPool, write, valid, slots, last,
-    fresh: bool = False,
+    fresh: bool = False, width: int | None = None,
 ):  # fmt: skip
     """`forward` over the paged cache: tokens [B, T] at positions [B, T] (right-padded where not `valid`; None:
     none padded), their KV written at `write` [B, T], attention over each row's slots [B, ctx_len] (`fresh`: every
-    row starts at position 0, see `KVPool.plan`). -> (logits [B, V] at `last` [B], ids [B, layers, k] the experts
+    row starts at position 0; `width`: see `KVPool.plan`). -> (logits [B, V] at `last` [B], ids [B, layers, k] the experts
     each layer chose at `last`, None when dense)."""
     c = w.config
     b = tokens.shape[0]
@@ -341,7 +360,7 @@ def paged_forward(
     top_k, norm_topk = getattr(c, "num_experts_per_tok", 0), getattr(c, "norm_topk_prob", False)
     h = w.embed[tokens]  # [B, T, H]
     rows = torch.arange(b, device=tokens.device)
-    plan = pool.plan(write, valid, slots, fresh)
+    plan = pool.plan(write, valid, slots, fresh, width)
     mask = pool.mask(positions, slots, plan)  # [B, 1, T, L] (or what the pool's attention reads instead)
     chosen = []
     for i, lw in enumerate(w.layers):
