@@ -77,7 +77,7 @@ def test_a_padded_decode_step_gives_the_eager_steps_bits(name):
             steps.append(tokens.shape[0])
             return super().__call__(pool, tokens, *rest)
 
-    graphs = Counted(padded.weights, padded.ops, CTX, padded.core.rope, 5, "cpu", capture=False)
+    graphs = Counted(padded.weights, padded.ops, CTX, 4, padded.core.rope, 5, "cpu", capture=False)
     padded.core.decode = graphs
     for _ in range(2):
         ref = plain.generate(reqs)
@@ -101,7 +101,7 @@ def test_a_padding_row_writes_only_the_sink_block():
         model.model.embed_tokens.weight[0] = 1.0
     eng = CudaPagedEngine(model, DEFAULT_OPS, CTX, PARAMS, seed=3, device="cpu", max_batch_size=3,
                           pool=PoolSpec(block_size=4, prefill_chunk=8, kv_pool_tokens=64 * 4))  # fmt: skip
-    graphs = DecodeGraphs(eng.weights, eng.ops, CTX, eng.core.rope, 3, "cpu", capture=False)
+    graphs = DecodeGraphs(eng.weights, eng.ops, CTX, 4, eng.core.rope, 3, "cpu", capture=False)
     eng.core.decode = graphs
     seen = []
     write = eng.core.pool_type.write

@@ -258,12 +258,13 @@ def test_the_gather_reads_the_rows_blocks_and_zeros_past_them_as_the_full_gather
             t[zero] = 0  # the zero block: what slots past a row's blocks read
     for tables in ([[0, 1], [2, 3, 4, 5, 6], [7]], [[8], [9]], [[0, 1, 2, 3, 4, 5], [6, 7], [8], [9, 10]],
                    [[1]], [list(range(10))], [[3], [4, 5]]):  # fmt: skip
-        slots = pool.slots(tables)
+        table = pool.table(tables)
+        slots = (table[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :ctx]  # [B, ctx_len]
         full = (slots[:, None, :] + pool._heads[None, :, None]).reshape(-1)
         b, d, held = len(tables), config.head_dim, min(ctx, bs * max(map(len, tables)))
         for t, width in ((2, ctx), (1, decode_width(d, ctx, torch.float32, "cpu", held))):
             k = v = torch.zeros(b, pool.hkv, t, d)
-            plan = pool.plan(torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.bool), slots)
+            plan = pool.plan(torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.bool), table)
             assert plan[3] == (held if t > 1 else width) and held <= width
             for layer in range(len(pool.k)):
                 keys, values = pool.write_read(layer, k, v, plan)
@@ -284,7 +285,7 @@ def test_the_default_kernels_read_the_rows_slots_only_and_attend_as_over_ctx_len
     pools = [cls(config, 12, bs, torch.float32, ctx) for cls in (KVPool, LivePool)]
     g = torch.Generator().manual_seed(0)
     tables, t, d = [[0, 1], [2, 3, 4], [5]], 3, config.head_dim
-    slots = pools[0].slots(tables)
+    table = pools[0].table(tables)
     positions = torch.tensor([[5, 6, 7], [9, 10, 11], [1, 2, 3]])
     valid = torch.ones(3, t, dtype=torch.bool)
     k, v = (torch.randn(3, pools[0].hkv, t, d, generator=g) for _ in range(2))
@@ -294,9 +295,9 @@ def test_the_default_kernels_read_the_rows_slots_only_and_attend_as_over_ctx_len
     for pool in pools:  # the same random pool contents in both, the zero block kept zero
         for i, kv in enumerate((pool.k[0], pool.v[0])):
             kv.normal_(generator=torch.Generator().manual_seed(i))[zero] = 0
-        plan = pool.plan(slots.gather(1, positions), valid, slots)
+        plan = pool.plan(pool.token_slots(table, positions), valid, table)
         keys, values = pool.write_read(0, k, v, plan)
-        mask = pool.mask(positions, slots, plan)
+        mask = pool.mask(positions, table, plan)
         out.append(DEFAULT_OPS.attention(q, keys, values, mask, d**-0.5))
         assert keys.shape[2] == mask.shape[-1] == (ctx if pool is pools[0] else 3 * bs)
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-6)

@@ -176,7 +176,7 @@ def check_paged(weights: Weights, ops: Ops, ctx_len: int, rope, ids, full, promp
     b, size = ids.shape[0], 4
     per = -(-ctx_len // size)
     ops, pool = _paged_pool(weights, ops, ctx_len, b * per, size)
-    slots = pool.slots([[j * b + i for j in reversed(range(per))] for i in range(b)]).to(dev)
+    table = pool.table([[j * b + i for j in reversed(range(per))] for i in range(b)]).to(dev)
     steps, p, got = min(ctx_len, prompt_len + 6), 0, []
     while p < steps - 1:
         n = min(2, prompt_len - p) if p < prompt_len else 1
@@ -191,9 +191,9 @@ def check_paged(weights: Weights, ops: Ops, ctx_len: int, rope, ids, full, promp
             ctx_len,
             rope,
             pool,
-            slots.gather(1, pos),
+            pool.token_slots(table, pos),
             valid,
-            slots,
+            table,
             last,
         )
         p += n

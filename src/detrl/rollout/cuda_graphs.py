@@ -3,7 +3,7 @@
 A decode step of the paged core launches a few hundred small kernels (28 layers x norms, gemms, rope, attention,
 pool writes): on a GPU the host's launches, not the device, set its time. Here each step's rows are padded to a
 power-of-two bucket and the step is one replay of a graph captured once per (bucket, read width) for the pool it
-runs on: the step's inputs (tokens, positions, write slots, each row's pool slots) go into one static buffer in
+runs on: the step's inputs (tokens, positions, write slots, the rows' block tables) go into one static buffer in
 one copy, the graph runs `paged.paged_forward` on it, and the core samples from the graph's logits as it does
 from the eager forward's.
 
@@ -31,16 +31,27 @@ def bucket(n: int) -> int:
 
 
 class DecodeGraphs:
-    """`EngineCore.decode`: (pool, tokens, positions, write, slots, width) -> (logits [B, V], route) for a
+    """`EngineCore.decode`: (pool, tokens, positions, write, table, width) -> (logits [B, V], route) for a
     decode step of B <= max_rows rows. capture=False runs the same padded step eagerly (CPU: the test of the
     padding; a GPU without graphs)."""
 
     def __init__(
-        self, weights: Weights, ops: Ops, ctx_len: int, rope, max_rows: int, device, capture: bool = True
+        self,
+        weights: Weights,
+        ops: Ops,
+        ctx_len: int,
+        block_size: int,
+        rope,
+        max_rows: int,
+        device,
+        capture: bool = True,
     ):
         self.weights, self.ops, self.ctx_len, self.rope = weights, ops, ctx_len, rope
         self.device, self.capture, self.rows = torch.device(device), capture, bucket(max_rows)
-        shape = (self.rows, 3 + ctx_len)  # per row: token, position, write slot, then its ctx_len pool slots
+        shape = (
+            self.rows,
+            3 + -(-ctx_len // block_size),
+        )  # per row: token, position, write slot, block table
         self.inputs = torch.zeros(shape, dtype=torch.long, device=self.device)
         self.host = torch.zeros(shape, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.last = torch.zeros(self.rows, dtype=torch.long, device=self.device)  # T = 1: index 0
@@ -53,7 +64,7 @@ class DecodeGraphs:
         self.graphs.clear()
         self.pool = self.mempool = None
 
-    def __call__(self, pool: KVPool, tokens, positions, write, slots, width: int):
+    def __call__(self, pool: KVPool, tokens, positions, write, table, width: int):
         b = tokens.shape[0]
         if b > self.rows:
             raise ValueError(f"a decode step of {b} rows; the graphs hold at most {self.rows}")
@@ -61,7 +72,7 @@ class DecodeGraphs:
             self.clear()
             self.pool = pool
         bb, wb = bucket(b), pool.graph_width(width)
-        self._fill(pool, b, bb, tokens, positions, write, slots)
+        self._fill(pool, b, bb, tokens, positions, write, table)
         if not self.capture:
             logits, route = self._forward(pool, bb, wb)
         else:
@@ -71,15 +82,15 @@ class DecodeGraphs:
             graph.replay()
         return logits[:b], None if route is None else route[:b]
 
-    def _fill(self, pool: KVPool, b: int, bb: int, tokens, positions, write, slots) -> None:
+    def _fill(self, pool: KVPool, b: int, bb: int, tokens, positions, write, table) -> None:
         """The step's host tensors into the static input buffer, padding rows after them, in one copy."""
         host = self.host[:bb]
         host[:b, 0], host[:b, 1], host[:b, 2] = tokens[:, 0], positions[:, 0], write[:, 0]
-        host[:b, 3:] = slots
+        host[:b, 3:] = table
         if bb > b:  # token 0 at position 0, written to the sink, reading the zero block
             host[b:, :2] = 0
             host[b:, 2] = pool.sink_slot
-            host[b:, 3:] = pool.blocks * pool.block_size + torch.arange(self.ctx_len) % pool.block_size
+            host[b:, 3:] = pool.blocks
         self.inputs[:bb].copy_(host, non_blocking=True)
 
     def _forward(self, pool: KVPool, bb: int, wb: int):

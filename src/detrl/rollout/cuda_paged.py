@@ -37,10 +37,9 @@ class KernelPool(KVPool):
     """A pool whose attention reads it in place: the mask carries the block tables and positions, and
     `write_read` returns the layer's whole K and V pool (no gather)."""
 
-    def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: Plan):
+    def mask(self, positions: torch.Tensor, table: torch.Tensor, plan: Plan):
         from detrl.models.triton_paged import PagedMeta
 
-        table = torch.div(slots[:, :: self.block_size], self.block_size, rounding_mode="floor")  # [B, W]
         return PagedMeta(table, positions, self.size, self.block_size, self.ctx_len)
 
     def read_width(self, width: int, decode: bool) -> int:
@@ -109,7 +108,7 @@ class CudaPagedEngine:
         moe_syncs = getattr(self.config, "num_experts", None) and self.ops.moe is moe_dispatch
         if graphs and self.device.type == "cuda" and not moe_syncs:
             self.core.decode = DecodeGraphs(
-                self.weights, self.ops, ctx_len, self.core.rope, max_batch_size, self.device
+                self.weights, self.ops, ctx_len, pool.block_size, self.core.rope, max_batch_size, self.device
             )
         self.generator = torch.Generator().manual_seed(seed)  # the engine's stream (requests without a seed)
         self.batch_log: list[tuple[int, tuple[tuple[int, int], ...]]] = []

@@ -138,21 +138,23 @@ class KVPool:
         zero = self.blocks * self.block_size + torch.arange(self.block_size, device=self.device)
         return (self._heads[:, None] + zero).reshape(-1)
 
-    def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: Plan):
+    def mask(self, positions: torch.Tensor, table: torch.Tensor, plan: Plan):
         """What the op set's attention takes as its mask: [B, 1, T, ctx_len] key <= the query's position."""
         return (
             torch.arange(self.ctx_len, device=positions.device)[None, None, None, :]
             <= positions[:, None, :, None]
         )
 
-    def slots(self, tables: list[list[int]]) -> torch.Tensor:
-        """[B, ctx_len] pool slot of each position of sequences with these block tables (the zero block past
-        their blocks), one tensor op for the batch."""
+    def table(self, tables: list[list[int]]) -> torch.Tensor:
+        """[B, ceil(ctx_len / block_size)] the block of each row's positions, padded with the zero block's id:
+        what a step's layers read the pool through."""
         width = -(-self.ctx_len // self.block_size)
-        padded = torch.tensor([t[:width] + [self.blocks] * (width - len(t)) for t in tables])  # [B, blocks]
-        return (padded[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten(1)[
-            :, : self.ctx_len
-        ]
+        return torch.tensor([t[:width] + [self.blocks] * (width - len(t)) for t in tables])
+
+    def token_slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[B, T] the pool slot of each token at positions [B, T] of rows with these block tables."""
+        bs = self.block_size
+        return table.gather(1, torch.div(positions, bs, rounding_mode="floor")) * bs + positions % bs
 
     pads = True  # a step other than a decode reads all ctx_len slots (`_padded`)
 
@@ -160,7 +162,7 @@ class KVPool:
         self,
         write: torch.Tensor,
         valid: torch.Tensor | None,
-        slots: torch.Tensor,
+        table: torch.Tensor,
         fresh: bool = False,
         width: int | None = None,
     ) -> Plan:
@@ -170,12 +172,11 @@ class KVPool:
         that hold them: [B, Hkv, ceil(W / block_size)] rows of the pool seen as [Hkv (blocks + 1), block_size D].
         `fresh`: every row's tokens start at position 0 (a cold prefill), so what the step writes is all its rows
         hold and the step's own keys are read, not gathered back (the slots differ at masked keys only).
-        `width`: W as the caller knows it from the block tables (None: counted from `slots`, a host sync on a
-        device), or any width >= W (a CUDA graph's bucket)."""
+        `table` [B, blocks]: each row's block table (`table`). `width`: W as the caller knows it (None: counted
+        from `table`, a host sync on a device), or any width >= W (a CUDA graph's bucket)."""
         w = (write[:, None, :] + self._heads[None, :, None]).reshape(-1)  # [B Hkv T]
         mask = None if valid is None else valid[:, None, :].expand(-1, self.hkv, -1).reshape(-1)
-        width = self.read_width(self.width(slots) if width is None else width, write.shape[1] == 1)
-        table = torch.div(slots[:, :: self.block_size], self.block_size, rounding_mode="floor")  # [B, blocks]
+        width = self.read_width(self.width(table) if width is None else width, write.shape[1] == 1)
         read = table[:, None, : -(-width // self.block_size)] + self._head_blocks[None, :, None]
         return Plan(w if mask is None else w[mask], mask, read, width, fresh and self.pads)
 
@@ -187,9 +188,10 @@ class KVPool:
             return width
         return decode_width(self.head_dim, self.ctx_len, self.dtype, self.device, width)
 
-    def width(self, slots: torch.Tensor) -> int:
-        """W: the slots the widest row of [B, ctx_len] holds in real blocks (tables are real blocks, then zeros)."""
-        return int((slots < self.blocks * self.block_size).sum(1).max())
+    def width(self, table: torch.Tensor) -> int:
+        """W: the slots the widest row of block tables [B, blocks] holds in real blocks (real blocks, then the zero
+        block's id), at most ctx_len."""
+        return min(self.ctx_len, int((table < self.blocks).sum(1).max()) * self.block_size)
 
     def graph_width(self, width: int) -> int:
         """The width a captured decode step reads for a batch of width W: W's power-of-two bucket (>= one block,
@@ -254,7 +256,7 @@ class LivePool(KVPool):
 
     pads = False
 
-    def mask(self, positions: torch.Tensor, slots: torch.Tensor, plan: Plan):
+    def mask(self, positions: torch.Tensor, table: torch.Tensor, plan: Plan):
         """[B, 1, T, W] key <= the query's position (W: the plan's read width)."""
         keys = torch.arange(plan.width, device=positions.device)
         return keys[None, None, None, :] <= positions[:, None, :, None]
@@ -345,11 +347,11 @@ class BlockManager:
 
 
 def paged_forward(
-    w: Weights, tokens, positions, ops: Ops, ctx_len: int, rope, pool: KVPool, write, valid, slots, last,
+    w: Weights, tokens, positions, ops: Ops, ctx_len: int, rope, pool: KVPool, write, valid, table, last,
     fresh: bool = False, width: int | None = None,
 ):  # fmt: skip
     """`forward` over the paged cache: tokens [B, T] at positions [B, T] (right-padded where not `valid`; None:
-    none padded), their KV written at `write` [B, T], attention over each row's slots [B, ctx_len] (`fresh`: every
+    none padded), their KV written at `write` [B, T], attention over each row's blocks, block tables [B, blocks] (`fresh`: every
     row starts at position 0; `width`: see `KVPool.plan`). -> (logits [B, V] at `last` [B], ids [B, layers, k] the experts
     each layer chose at `last`, None when dense)."""
     c = w.config
@@ -360,8 +362,8 @@ def paged_forward(
     top_k, norm_topk = getattr(c, "num_experts_per_tok", 0), getattr(c, "norm_topk_prob", False)
     h = w.embed[tokens]  # [B, T, H]
     rows = torch.arange(b, device=tokens.device)
-    plan = pool.plan(write, valid, slots, fresh, width)
-    mask = pool.mask(positions, slots, plan)  # [B, 1, T, L] (or what the pool's attention reads instead)
+    plan = pool.plan(write, valid, table, fresh, width)
+    mask = pool.mask(positions, table, plan)  # [B, 1, T, L] (or what the pool's attention reads instead)
     chosen = []
     for i, lw in enumerate(w.layers):
         q, k, v = layer_pre(h, lw.input_norm, lw.qkv, lw.qk_norm, *rot, ops, c.num_attention_heads, hd, eps)

@@ -145,7 +145,7 @@ class EngineCore:
         self.prefix_cache = prefix_cache  # False: every sequence prefills its whole context (cold)
         self.steps, self.computed_tokens = 0, 0  # steps run, tokens forwarded (prefill + decode)
         self.hit_blocks, self.preemptions = 0, 0  # blocks taken from the prefix cache; sequences preempted
-        # what runs a decode step instead of the eager forward: (pool, tokens, positions, write, slots [host
+        # what runs a decode step instead of the eager forward: (pool, tokens, positions, write, table [host
         # tensors], width) -> (logits, route), e.g. `cuda_graphs.DecodeGraphs` (the CUDA engine's graphs)
         self.decode = None
 
@@ -269,16 +269,16 @@ class EngineCore:
         positions = start[:, None] + torch.arange(t)  # [B, T]
         valid = torch.arange(t)[None, :] < torch.tensor(n)[:, None]
         positions = positions.masked_fill(~valid, 0)  # padding: position 0, never written
-        slots = pool.slots([s.blocks.table for s in batch])  # [B, ctx_len]
-        write = slots.gather(1, positions)  # [B, T] the pool slot of each token
+        table = pool.table([s.blocks.table for s in batch])  # [B, blocks]
+        write = pool.token_slots(table, positions)  # [B, T] the pool slot of each token
         read = min(self.ctx_len, max(len(s.blocks.table) for s in batch) * self.block_size)  # W, no sync
         if t == 1 and self.decode is not None:  # a decode step, replayed (CUDA graphs)
-            logits, route = self.decode(pool, tokens, positions, write, slots, read)
+            logits, route = self.decode(pool, tokens, positions, write, table, read)
         else:
             dev = self.device
             logits, route = paged_forward(
                 self.weights, tokens.to(dev), positions.to(dev), self.ops, self.ctx_len, self.rope, pool,
-                write.to(dev), None if min(n) == t else valid.to(dev), slots.to(dev), (torch.tensor(n) - 1).to(dev),
+                write.to(dev), None if min(n) == t else valid.to(dev), table.to(dev), (torch.tensor(n) - 1).to(dev),
                 fresh=width > 1 and all(s.computed == 0 for s in batch), width=read,
             )  # fmt: skip
         self.computed_tokens += sum(n)
