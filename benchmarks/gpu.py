@@ -654,7 +654,7 @@ and torch flags, with its decode steps as CUDA graphs (the default) and eager, s
 --stops N the first N token ids stop a sequence (a random-init model samples near uniformly, so lengths spread and
 the batch shrinks, the padded buckets' case); with 0 (the default) every step decodes the whole batch. Reported:
 ms per decode step (the call's time / the longest response) and tokens per second. --profile adds the top ops by
-host time of one call. JSON (--json): ms_per_decode_step.{on,off}, tokens_per_s.{on,off} (graphs) and the same
+host and by device time of one call. JSON (--json): ms_per_decode_step.{on,off}, tokens_per_s.{on,off} (graphs) and the same
 under *_eager."""
 
 
@@ -681,9 +681,12 @@ def paged(args: argparse.Namespace) -> None:
                 flush=True,
             )
             if args.profile:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=acts) as prof:
                     eng.generate(reqs)
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+                    torch.cuda.synchronize()
+                for key in ("self_cpu_time_total", "self_device_time_total"):
+                    print(prof.key_averages().table(sort_by=key, row_limit=15), flush=True)
             eng.close()
             del eng
             torch.cuda.empty_cache()

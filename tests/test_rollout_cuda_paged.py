@@ -60,13 +60,15 @@ def test_on_cpu_it_gives_the_embedded_workers_bits(name, ops, seeded):
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
-def test_a_padded_decode_step_gives_the_eager_steps_bits(name):
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "stream"])
+def test_a_padded_decode_step_gives_the_eager_steps_bits(name, seeded):
     """The CUDA graphs' step, run eagerly on CPU (capture=False): rows padded to a power-of-two bucket that
-    write the sink block and read the zero block, keys read at a power-of-two width. Under the batch-invariant
-    ops every token, logprob and expert id is the plain step's, across a weight update (the pool rebuilt)."""
+    write the sink block and read the zero block, keys read at a power-of-two width, seeded rows sampled by the
+    step itself. Under the batch-invariant ops every token, logprob and expert id is the plain step's, across a
+    weight update (the pool rebuilt)."""
     from detrl.rollout.cuda_graphs import DecodeGraphs
 
-    model, reqs = tiny_model(name), _requests()
+    model, reqs = tiny_model(name), _requests(seeded=seeded)
     kw = dict(max_batch_size=5, pool=PoolSpec(block_size=4, prefill_chunk=8, kv_pool_tokens=64 * 4))
     plain = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=3, device="cpu", **kw)
     padded = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=3, device="cpu", **kw)
@@ -74,8 +76,9 @@ def test_a_padded_decode_step_gives_the_eager_steps_bits(name):
 
     class Counted(DecodeGraphs):
         def __call__(self, pool, tokens, *rest):
-            steps.append(tokens.shape[0])
-            return super().__call__(pool, tokens, *rest)
+            out = super().__call__(pool, tokens, *rest)
+            steps.append((tokens.shape[0], out[2] is not None))  # rows, sampled in the step
+            return out
 
     graphs = Counted(padded.weights, padded.ops, CTX, 4, padded.core.rope, 5, "cpu", capture=False)
     padded.core.decode = graphs
@@ -85,7 +88,10 @@ def test_a_padded_decode_step_gives_the_eager_steps_bits(name):
         if name == "qwen3_moe":
             got = {r.uid: r.routed_experts for r in padded.generate(reqs)}
             assert all(np.array_equal(got[r.uid], r.routed_experts) for r in plain.generate(reqs))
-        assert {3, 5} & set(steps)  # steps of 3 and 5 rows ran padded to 4 and 8
+        assert {3, 5} & {n for n, _ in steps}  # steps of 3 and 5 rows ran padded to 4 and 8
+        assert {drawn for _, drawn in steps} == {
+            seeded
+        }  # seeded rows sampled in the step, stream rows by the core
         state = {k: v + 0.01 for k, v in model.state_dict().items()}
         plain.update_weights(state)
         padded.update_weights(state)

@@ -3,9 +3,11 @@
 A decode step of the paged core launches a few hundred small kernels (28 layers x norms, gemms, rope, attention,
 pool writes): on a GPU the host's launches, not the device, set its time. Here each step's rows are padded to a
 power-of-two bucket and the step is one replay of a graph captured once per (bucket, read width) for the pool it
-runs on: the step's inputs (tokens, positions, write slots, the rows' block tables) go into one static buffer in
-one copy, the graph runs `paged.paged_forward` on it, and the core samples from the graph's logits as it does
-from the eager forward's.
+runs on: the step's inputs (tokens, positions, write slots, seeds, the rows' block tables) go into one static
+buffer in one copy, and the graph runs `paged.paged_forward` on it. When every row samples seeded with one
+temperature and top_p (determinism on: the trainer's requests) the graph samples too, with the eager sampler's ops
+(`forward.log_probs`, `sampling.hashed_gumbel`, `sampling.sample`: the same kernels, so the same bits as a token
+the core samples eagerly after a prefill); otherwise the core samples from the graph's logits.
 
 Padding rows read the zero block at position 0 and write the pool's sink block, which no row reads; with the
 batch-invariant kernels a row's bits do not depend on how many rows share its step, so a padded, replayed step
@@ -20,9 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from detrl.models.forward import Weights
+from detrl.models.forward import Weights, log_probs
 from detrl.models.ops import Ops
 from detrl.rollout.paged import KVPool, paged_forward
+from detrl.rollout.sampling import hashed_gumbel, sample
+
+INPUTS = 4  # the static buffer's columns before a row's block table: token, position, write slot, seed
 
 
 def bucket(n: int) -> int:
@@ -48,14 +53,11 @@ class DecodeGraphs:
     ):
         self.weights, self.ops, self.ctx_len, self.rope = weights, ops, ctx_len, rope
         self.device, self.capture, self.rows = torch.device(device), capture, bucket(max_rows)
-        shape = (
-            self.rows,
-            3 + -(-ctx_len // block_size),
-        )  # per row: token, position, write slot, block table
+        shape = (self.rows, INPUTS + -(-ctx_len // block_size))  # per row: the INPUTS, then its block table
         self.inputs = torch.zeros(shape, dtype=torch.long, device=self.device)
         self.host = torch.zeros(shape, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.last = torch.zeros(self.rows, dtype=torch.long, device=self.device)  # T = 1: index 0
-        self.graphs: dict[tuple[int, int], tuple] = {}  # (bucket, width) -> (graph, its outputs)
+        self.graphs: dict[tuple, tuple] = {}  # (bucket, width, draw params) -> (graph, its outputs)
         self.pool: KVPool | None = None
         self.mempool = None
 
@@ -64,53 +66,67 @@ class DecodeGraphs:
         self.graphs.clear()
         self.pool = self.mempool = None
 
-    def __call__(self, pool: KVPool, tokens, positions, write, table, width: int):
+    def __call__(self, pool: KVPool, tokens, positions, write, table, width: int, draw=None):
+        """-> (logits [B, V], route [B, layers, k] or None, (tokens [B], logprobs [B]) when `draw`
+        (temperature, top_p, seeds) was given, else None)."""
         b = tokens.shape[0]
         if b > self.rows:
             raise ValueError(f"a decode step of {b} rows; the graphs hold at most {self.rows}")
         if pool is not self.pool:
             self.clear()
             self.pool = pool
-        bb, wb = bucket(b), pool.graph_width(width)
-        self._fill(pool, b, bb, tokens, positions, write, table)
+        key = (bucket(b), pool.graph_width(width), None if draw is None else draw[:2])
+        self._fill(pool, b, key[0], tokens, positions, write, table, None if draw is None else draw[2])
         if not self.capture:
-            logits, route = self._forward(pool, bb, wb)
+            logits, route, drawn = self._step(pool, *key)
         else:
-            if (bb, wb) not in self.graphs:
-                self.graphs[bb, wb] = self._capture(pool, bb, wb)
-            graph, (logits, route) = self.graphs[bb, wb]
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(pool, key)
+            graph, (logits, route, drawn) = self.graphs[key]
             graph.replay()
-        return logits[:b], None if route is None else route[:b]
+        return (
+            logits[:b],
+            None if route is None else route[:b],
+            None if drawn is None else (drawn[0][:b], drawn[1][:b]),
+        )
 
-    def _fill(self, pool: KVPool, b: int, bb: int, tokens, positions, write, table) -> None:
+    def _fill(self, pool: KVPool, b: int, bb: int, tokens, positions, write, table, seeds) -> None:
         """The step's host tensors into the static input buffer, padding rows after them, in one copy."""
         host = self.host[:bb]
         host[:b, 0], host[:b, 1], host[:b, 2] = tokens[:, 0], positions[:, 0], write[:, 0]
-        host[:b, 3:] = table
-        if bb > b:  # token 0 at position 0, written to the sink, reading the zero block
-            host[b:, :2] = 0
+        host[:b, 3] = 0 if seeds is None else torch.tensor(seeds)
+        host[:b, INPUTS:] = table
+        if bb > b:  # token 0 at position 0, seed 0, written to the sink, reading the zero block
+            host[b:, :INPUTS] = 0
             host[b:, 2] = pool.sink_slot
-            host[b:, 3:] = pool.blocks
+            host[b:, INPUTS:] = pool.blocks
         self.inputs[:bb].copy_(host, non_blocking=True)
 
-    def _forward(self, pool: KVPool, bb: int, wb: int):
+    def _step(self, pool: KVPool, bb: int, wb: int, draw: tuple[float, float] | None):
+        """The forward on the static inputs' first bb rows; with `draw` (temperature, top_p) also the seeded
+        sample of each row's next token (at its position + 1) and its logprob, as `EngineCore._sample` draws it."""
         x = self.inputs[:bb]
-        return paged_forward(
+        logits, route = paged_forward(
             self.weights, x[:, 0:1], x[:, 1:2], self.ops, self.ctx_len, self.rope, pool, x[:, 2:3], None,
-            x[:, 3:], self.last[:bb], width=wb,
+            x[:, INPUTS:], self.last[:bb], width=wb,
         )  # fmt: skip
+        if draw is None:
+            return logits, route, None
+        logp = log_probs(logits, draw[0])  # [bb, V]
+        tok = sample(logp, hashed_gumbel(x[:, 3], x[:, 1] + 1, logp.shape[-1]), draw[1])
+        return logits, route, (tok, logp.gather(-1, tok[:, None]).squeeze(-1))
 
-    def _capture(self, pool: KVPool, bb: int, wb: int) -> tuple:
+    def _capture(self, pool: KVPool, key: tuple) -> tuple:
         """Warm up on a side stream (Triton's compiles, the allocator), then capture one step. Both write the
         step's keys and values, the same bits the replay writes after."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._forward(pool, bb, wb)
+            self._step(pool, *key)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            out = self._forward(pool, bb, wb)
+            out = self._step(pool, *key)
         return graph, out

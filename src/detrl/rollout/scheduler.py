@@ -94,6 +94,16 @@ class SeededNoise:
             s.noise = None
 
 
+def _seeded_draw(rows: list[Sequence]) -> tuple[float, float, list[int]] | None:
+    """(temperature, top_p, seeds) when every row samples seeded with one temperature and top_p: a draw a
+    replayed decode step can make itself (the hashed noise is a function of seed, position and token id)."""
+    first = rows[0].params
+    if any(s.request.seed is None or (s.params.temperature, s.params.top_p) != (first.temperature, first.top_p)
+           for s in rows):  # fmt: skip
+        return None
+    return first.temperature, first.top_p, [s.request.seed for s in rows]
+
+
 @dataclass
 class Finished:
     key: object
@@ -146,7 +156,8 @@ class EngineCore:
         self.steps, self.computed_tokens = 0, 0  # steps run, tokens forwarded (prefill + decode)
         self.hit_blocks, self.preemptions = 0, 0  # blocks taken from the prefix cache; sequences preempted
         # what runs a decode step instead of the eager forward: (pool, tokens, positions, write, table [host
-        # tensors], width) -> (logits, route), e.g. `cuda_graphs.DecodeGraphs` (the CUDA engine's graphs)
+        # tensors], width, draw) -> (logits, route, drawn), e.g. `cuda_graphs.DecodeGraphs` (the CUDA engine's
+        # graphs); drawn: (tokens, logprobs) when it sampled the `_seeded_draw` itself, else None
         self.decode = None
 
     def add(self, key, request: Request, params: SamplingParams) -> None:
@@ -272,8 +283,11 @@ class EngineCore:
         table = pool.table([s.blocks.table for s in batch])  # [B, blocks]
         write = pool.token_slots(table, positions)  # [B, T] the pool slot of each token
         read = min(self.ctx_len, max(len(s.blocks.table) for s in batch) * self.block_size)  # W, no sync
+        drawn = None  # (tokens, logprobs) when the replayed step sampled too
         if t == 1 and self.decode is not None:  # a decode step, replayed (CUDA graphs)
-            logits, route = self.decode(pool, tokens, positions, write, table, read)
+            logits, route, drawn = self.decode(
+                pool, tokens, positions, write, table, read, _seeded_draw(batch)
+            )
         else:
             dev = self.device
             logits, route = paged_forward(
@@ -285,6 +299,8 @@ class EngineCore:
         for i, s in enumerate(batch):
             s.computed += n[i]
             self._publish(s)
+        if drawn is not None:
+            return self._leave(self._take(batch, *drawn, route))
         ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
         if len(ready) == len(batch):  # every row samples (a decode step): no row gathers
             return self._sample(batch, logits, route)
@@ -313,9 +329,17 @@ class EngineCore:
             group = rows if whole else [rows[i] for i in idx]
             logp = log_probs(logits if whole else logits[idx], temperature)  # [G, V]
             tok = sample(logp, self._noise(group, logp.shape[-1]), top_p)  # both on the core's device
-            lp = logp.gather(-1, tok[:, None]).squeeze(-1).tolist()
-            ids = None if route is None else (route if whole else route[idx]).to(torch.int16).cpu().numpy()
-            leaving += self._append(group, tok.tolist(), lp, ids)
+            lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+            leaving += self._take(group, tok, lp, route if route is None or whole else route[idx])
+        return self._leave(leaving)
+
+    def _take(self, rows: list[Sequence], tok, lp, route) -> list[tuple[Sequence, str]]:
+        """The rows' sampled tokens tok [G] and logprobs lp [G] (and expert ids route [G, layers, k]) appended."""
+        ids = None if route is None else route.to(torch.int16).cpu().numpy()
+        return self._append(rows, tok.tolist(), lp.tolist(), ids)
+
+    def _leave(self, leaving: list[tuple[Sequence, str]]) -> list[Finished]:
+        """The rows that finished out of the running set."""
         if leaving:
             gone = {id(s) for s, _ in leaving}
             self.running = [s for s in self.running if id(s) not in gone]
