@@ -36,9 +36,8 @@ def bucket(n: int) -> int:
 
 
 class DecodeGraphs:
-    """`EngineCore.decode`: (pool, tokens, positions, write, table, width) -> (logits [B, V], route) for a
-    decode step of B <= max_rows rows. capture=False runs the same padded step eagerly (CPU: the test of the
-    padding; a GPU without graphs)."""
+    """`EngineCore.decode` for decode steps of B <= max_rows rows (`__call__`). capture=False runs the same padded
+    step eagerly (CPU: the test of the padding and the in-step draw; a GPU without graphs)."""
 
     def __init__(
         self,
