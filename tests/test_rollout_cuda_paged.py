@@ -98,6 +98,21 @@ def test_a_padded_decode_step_gives_the_eager_steps_bits(name, seeded):
         assert graphs.pool is None  # the pool's graphs dropped with it
 
 
+def test_prefill_chunks_of_one_token_are_not_taken_for_decode_steps():
+    """With prefill_chunk=1 a prefill step is one token a row too; its rows are mid-prompt and must not sample:
+    the graphs' runner serves decode steps only, and the bits stay the plain engine's."""
+    from detrl.rollout.cuda_graphs import DecodeGraphs
+
+    model, reqs = tiny_model("qwen3"), _requests(groups=2, n=3)
+    kw = dict(max_batch_size=4, pool=PoolSpec(block_size=4, prefill_chunk=1, kv_pool_tokens=64 * 4))
+    plain = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=3, device="cpu", **kw)
+    padded = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=3, device="cpu", **kw)
+    padded.core.decode = DecodeGraphs(
+        padded.weights, padded.ops, CTX, 4, padded.core.rope, 4, "cpu", capture=False
+    )
+    assert bits(padded.generate(reqs)) == bits(plain.generate(reqs))
+
+
 def test_a_padding_row_writes_only_the_sink_block():
     """After a padded step the zero block is still zeros (rows past their blocks read it as masked keys)."""
     from detrl.rollout.cuda_graphs import DecodeGraphs

@@ -169,7 +169,7 @@ class KVPool:
         """The flat indices one step's layers share: where tokens [B, T] (where `valid`; None: all) write, what
         rows read per head: [B, Hkv, W], the first W of their ctx_len slots, W the most blocks any row holds
         (every slot past W is the zero block's, in every row), widened as `read_width` says, as the pool blocks
-        that hold them: [B, Hkv, ceil(W / block_size)] rows of the pool seen as [Hkv (blocks + 1), block_size D].
+        that hold them: [B, Hkv, ceil(W / block_size)] rows of the pool seen as [Hkv (blocks + 2), block_size D].
         `fresh`: every row's tokens start at position 0 (a cold prefill), so what the step writes is all its rows
         hold and the step's own keys are read, not gathered back (the slots differ at masked keys only).
         `table` [B, blocks]: each row's block table (`table`). `width`: W as the caller knows it (None: counted

@@ -284,7 +284,8 @@ class EngineCore:
         write = pool.token_slots(table, positions)  # [B, T] the pool slot of each token
         read = min(self.ctx_len, max(len(s.blocks.table) for s in batch) * self.block_size)  # W, no sync
         drawn = None  # (tokens, logprobs) when the replayed step sampled too
-        if t == 1 and self.decode is not None:  # a decode step, replayed (CUDA graphs)
+        decoding = all(len(s.tokens) - s.computed == 1 for s in batch)  # not a prefill chunk of 1 token
+        if decoding and self.decode is not None:  # a decode step, replayed (CUDA graphs)
             logits, route, drawn = self.decode(
                 pool, tokens, positions, write, table, read, _seeded_draw(batch)
             )
