@@ -98,15 +98,18 @@ def test_a_padded_decode_step_gives_the_eager_steps_bits(name, seeded):
         assert graphs.pool is None  # the pool's graphs dropped with it
 
 
-def test_prefill_chunks_of_one_token_are_not_taken_for_decode_steps():
+@pytest.mark.parametrize("chunk, top_p", [(1, 1.0), (8, 0.9)])
+def test_prefill_chunks_of_one_token_and_top_p_keep_the_plain_steps_bits(chunk, top_p):
     """With prefill_chunk=1 a prefill step is one token a row too; its rows are mid-prompt and must not sample:
-    the graphs' runner serves decode steps only, and the bits stay the plain engine's."""
+    the graphs' runner serves decode steps only. At top_p < 1 the step's own draw masks the nucleus as the core's
+    does. Both give the plain engine's bits."""
     from detrl.rollout.cuda_graphs import DecodeGraphs
 
     model, reqs = tiny_model("qwen3"), _requests(groups=2, n=3)
-    kw = dict(max_batch_size=4, pool=PoolSpec(block_size=4, prefill_chunk=1, kv_pool_tokens=64 * 4))
-    plain = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=3, device="cpu", **kw)
-    padded = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=3, device="cpu", **kw)
+    kw = dict(max_batch_size=4, pool=PoolSpec(block_size=4, prefill_chunk=chunk, kv_pool_tokens=64 * 4))
+    params = dataclasses.replace(PARAMS, top_p=top_p)
+    plain = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, params, seed=3, device="cpu", **kw)
+    padded = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, params, seed=3, device="cpu", **kw)
     padded.core.decode = DecodeGraphs(
         padded.weights, padded.ops, CTX, 4, padded.core.rope, 4, "cpu", capture=False
     )
