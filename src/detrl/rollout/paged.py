@@ -222,11 +222,11 @@ class KVPool:
         copied a block at a time into a reused buffer (shared by the layers like `_pad`: a fresh multi-MB
         tensor per layer and step costs more than the copy, and so do slot-sized copies)."""
         (b, h, nb), row = read.shape, self.block_size * self.head_dim
-        if not self._reuse or self._read is None or self._read.shape[1] < read.numel():
-            self._read = self.k[layer].new_empty((2, read.numel(), row))
-        out = self._read[:, : read.numel()]
-        if not self._reuse:
-            self._read = None
+        buf = self._read if self._reuse else None
+        if buf is None or buf.shape[1] < read.numel():
+            buf = self.k[layer].new_empty((2, read.numel(), row))
+            self._read = buf if self._reuse else None
+        out = buf[:, : read.numel()]
         for pool, dst in zip((self.k[layer], self.v[layer]), out, strict=True):
             torch.index_select(pool.view(-1, row), 0, read.reshape(-1), out=dst)
         return tuple(x.view(b, h, nb * self.block_size, self.head_dim)[:, :, :width] for x in out)
@@ -351,9 +351,9 @@ def paged_forward(
     fresh: bool = False, width: int | None = None,
 ):  # fmt: skip
     """`forward` over the paged cache: tokens [B, T] at positions [B, T] (right-padded where not `valid`; None:
-    none padded), their KV written at `write` [B, T], attention over each row's blocks, block tables [B, blocks] (`fresh`: every
-    row starts at position 0; `width`: see `KVPool.plan`). -> (logits [B, V] at `last` [B], ids [B, layers, k] the experts
-    each layer chose at `last`, None when dense)."""
+    none padded), their KV written at `write` [B, T], attention over each row's blocks through its block table
+    `table` [B, blocks] (`fresh`: every row starts at position 0; `width`: see `KVPool.plan`). -> (logits [B, V]
+    at `last` [B], ids [B, layers, k] the experts each layer chose at `last`, None when dense)."""
     c = w.config
     b = tokens.shape[0]
     cos, sin = rope

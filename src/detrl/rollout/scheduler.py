@@ -97,11 +97,10 @@ class SeededNoise:
 def _seeded_draw(rows: list[Sequence]) -> tuple[float, float, list[int]] | None:
     """(temperature, top_p, seeds) when every row samples seeded with one temperature and top_p: a draw a
     replayed decode step can make itself (the hashed noise is a function of seed, position and token id)."""
-    first = rows[0].params
-    if any(s.request.seed is None or (s.params.temperature, s.params.top_p) != (first.temperature, first.top_p)
-           for s in rows):  # fmt: skip
+    params = (rows[0].params.temperature, rows[0].params.top_p)
+    if any(s.request.seed is None or (s.params.temperature, s.params.top_p) != params for s in rows):
         return None
-    return first.temperature, first.top_p, [s.request.seed for s in rows]
+    return *params, [s.request.seed for s in rows]
 
 
 @dataclass
@@ -213,10 +212,10 @@ class EngineCore:
         self.running = [s for s in self.running if s.limit > 0]
         prefill = [s for s in self.running if len(s.tokens) - s.computed > 1]
         decode = [s for s in self.running if len(s.tokens) - s.computed == 1]
-        for batch, width in ((prefill, self.chunk), (decode, 1)):
+        for batch, width, decoding in ((prefill, self.chunk, False), (decode, 1, True)):
             batch = self._reserve(batch, width)
             if batch:
-                done += self._run(batch, width)
+                done += self._run(batch, width, decoding)
         self.steps += 1
         return done
 
@@ -269,8 +268,9 @@ class EngineCore:
         s.blocks, s.computed = SeqBlocks(), 0
         self.waiting.appendleft(s)
 
-    def _run(self, batch: list[Sequence], width: int) -> list[Finished]:
-        """One forward over the rows' next <= width tokens; rows whose context is then computed sample."""
+    def _run(self, batch: list[Sequence], width: int, decoding: bool) -> list[Finished]:
+        """One forward over the rows' next <= width tokens; rows whose context is then computed sample.
+        `decoding`: every row has its last token left (a decode step; a prefill chunk of 1 is not one)."""
         pool = self.pool
         n = [min(width, len(s.tokens) - s.computed) for s in batch]
         t = max(n)
@@ -284,7 +284,6 @@ class EngineCore:
         write = pool.token_slots(table, positions)  # [B, T] the pool slot of each token
         read = min(self.ctx_len, max(len(s.blocks.table) for s in batch) * self.block_size)  # W, no sync
         drawn = None  # (tokens, logprobs) when the replayed step sampled too
-        decoding = all(len(s.tokens) - s.computed == 1 for s in batch)  # not a prefill chunk of 1 token
         if decoding and self.decode is not None:  # a decode step, replayed (CUDA graphs)
             logits, route, drawn = self.decode(
                 pool, tokens, positions, write, table, read, _seeded_draw(batch)
@@ -293,8 +292,8 @@ class EngineCore:
             dev = self.device
             logits, route = paged_forward(
                 self.weights, tokens.to(dev), positions.to(dev), self.ops, self.ctx_len, self.rope, pool,
-                write.to(dev), None if min(n) == t else valid.to(dev), table.to(dev), (torch.tensor(n) - 1).to(dev),
-                fresh=width > 1 and all(s.computed == 0 for s in batch), width=read,
+                write.to(dev), None if min(n) == t else valid.to(dev), table.to(dev),
+                (torch.tensor(n) - 1).to(dev), fresh=width > 1 and all(s.computed == 0 for s in batch), width=read,
             )  # fmt: skip
         self.computed_tokens += sum(n)
         for i, s in enumerate(batch):
