@@ -654,8 +654,8 @@ and torch flags, with its decode steps as CUDA graphs (the default) and eager, s
 --stops N the first N token ids stop a sequence (a random-init model samples near uniformly, so lengths spread and
 the batch shrinks, the padded buckets' case); with 0 (the default) every step decodes the whole batch. Reported:
 ms per decode step (the call's time / the longest response) and tokens per second. --profile adds the top ops by
-host and by device time of one call. JSON (--json): ms_per_decode_step.{on,off}, tokens_per_s.{on,off} (graphs) and the same
-under *_eager."""
+host and by device time of one call. JSON (--json): ms_per_decode_step.{on,off}, tokens_per_s.{on,off} (graphs)
+and the same under *_eager."""
 
 
 def paged(args: argparse.Namespace) -> None:
