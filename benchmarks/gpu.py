@@ -650,12 +650,17 @@ def profile16(args: argparse.Namespace) -> None:
 
 PAGED = """The paged engine core on one GPU (what `train.py device=cuda` runs): `CudaPagedEngine.generate` on
 batch prompts x up to --new tokens (seeded requests under on, as the trainer sends them), per mode with its op set
-and torch flags, with its decode steps as CUDA graphs (the default) and eager, side by side in one run. With
+and torch flags, side by side in one run: its decode steps as CUDA graphs with the host one step ahead (the
+default, `cuda_overlap`), as graphs with a host sync every step, and eager. With
 --stops N the first N token ids stop a sequence (a random-init model samples near uniformly, so lengths spread and
 the batch shrinks, the padded buckets' case); with 0 (the default) every step decodes the whole batch. Reported:
 ms per decode step (the call's time / the longest response) and tokens per second. --profile adds the top ops by
-host and by device time of one call. JSON (--json): ms_per_decode_step.{on,off}, tokens_per_s.{on,off} (graphs)
-and the same under *_eager."""
+host and by device time of one call. JSON (--json): ms_per_decode_step.{on,off}, tokens_per_s.{on,off} (the
+default) and the same under *_no_overlap and *_eager."""
+
+
+# (JSON key suffix, CUDA graphs, host one step ahead): the default, then without the overlap, then eager
+PAGED_VARIANTS = (("", True, True), ("_no_overlap", True, False), ("_eager", False, False))
 
 
 def paged(args: argparse.Namespace) -> None:
@@ -667,13 +672,15 @@ def paged(args: argparse.Namespace) -> None:
     params = SamplingParams(1.0, 1.0, args.new, tuple(range(args.stops)))
     for mode in args.modes.split(","):
         det, rt, reqs = mode_requests(mode, args.batch, 4)
-        for graphs in (True, False):
-            eng = CudaPagedEngine(model, rt.ops, ctx, params, 0, args.batch, det.fixed_routing, graphs=graphs)
+        for suffix, graphs, overlap in PAGED_VARIANTS:
+            eng = CudaPagedEngine(
+                model, rt.ops, ctx, params, 0, args.batch, det.fixed_routing, graphs=graphs, overlap=overlap
+            )
             eng.generate(reqs)  # warm: the Triton kernels compile, the graphs are captured
             got: list = []
             secs = timed(lambda eng=eng, reqs=reqs, got=got: got.append(eng.generate(reqs)), 2)
             tokens = sum(len(r.tokens) for r in got[-1])
-            name = mode if graphs else f"{mode}_eager"
+            name = mode + suffix
             out[name] = dict(ms=secs / max(len(r.tokens) for r in got[-1]) * 1e3, tok_s=tokens / secs)
             print(
                 f"[{name}] {rt.ops.name}: {out[name]['ms']:.2f} ms per decode step, {out[name]['tok_s']:.0f} "
@@ -698,7 +705,7 @@ def paged(args: argparse.Namespace) -> None:
         figures = {
             f"{key}{suffix}": {m: out[m + suffix][field] for m in args.modes.split(",")}
             for key, field in (("ms_per_decode_step", "ms"), ("tokens_per_s", "tok_s"))
-            for suffix in ("", "_eager")
+            for suffix, _, _ in PAGED_VARIANTS
         }
         Path(args.json).write_text(json.dumps({**figures, "settings": settings}, indent=1))
 

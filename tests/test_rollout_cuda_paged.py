@@ -71,7 +71,9 @@ def test_a_padded_decode_step_gives_the_eager_steps_bits(name, seeded):
     model, reqs = tiny_model(name), _requests(seeded=seeded)
     kw = dict(max_batch_size=5, pool=PoolSpec(block_size=4, prefill_chunk=8, kv_pool_tokens=64 * 4))
     plain = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=3, device="cpu", **kw)
-    padded = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=3, device="cpu", **kw)
+    padded = CudaPagedEngine(
+        model, BATCH_INVARIANT_OPS, CTX, PARAMS, seed=3, device="cpu", overlap=False, **kw
+    )
     steps = []
 
     class Counted(DecodeGraphs):
@@ -109,11 +111,76 @@ def test_prefill_chunks_of_one_token_and_top_p_keep_the_plain_steps_bits(chunk, 
     kw = dict(max_batch_size=4, pool=PoolSpec(block_size=4, prefill_chunk=chunk, kv_pool_tokens=64 * 4))
     params = dataclasses.replace(PARAMS, top_p=top_p)
     plain = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, params, seed=3, device="cpu", **kw)
-    padded = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, params, seed=3, device="cpu", **kw)
+    padded = CudaPagedEngine(
+        model, BATCH_INVARIANT_OPS, CTX, params, seed=3, device="cpu", overlap=False, **kw
+    )
     padded.core.decode = DecodeGraphs(
         padded.weights, padded.ops, CTX, 4, padded.core.rope, 4, "cpu", capture=False
     )
     assert bits(padded.generate(reqs)) == bits(plain.generate(reqs))
+
+
+def _overlapped(model, params, max_batch_size, pool_tokens):
+    """A plain engine and one whose decode steps run one ahead of the host (the graphs' step, eager on CPU)."""
+    from detrl.rollout.cuda_graphs import DecodeGraphs
+
+    kw = dict(
+        max_batch_size=max_batch_size,
+        pool=PoolSpec(block_size=4, prefill_chunk=8, kv_pool_tokens=pool_tokens),
+    )
+    plain = CudaPagedEngine(
+        model, BATCH_INVARIANT_OPS, CTX, params, seed=3, device="cpu", overlap=False, **kw
+    )
+    ahead = CudaPagedEngine(model, BATCH_INVARIANT_OPS, CTX, params, seed=3, device="cpu", **kw)
+    ahead.core.decode = DecodeGraphs(
+        ahead.weights, ahead.ops, CTX, 4, ahead.core.rope, max_batch_size, "cpu", capture=False
+    )
+    return plain, ahead
+
+
+STOPS = dataclasses.replace(PARAMS, stop_token_ids=(3, 4))  # ~1 in 30 draws stops: lengths spread
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "cap, pool_tokens", [(12, 64 * 12), (5, 64 * 4), (4, 20 * 4)], ids=["all", "cap5", "preempt"]
+)
+def test_decode_steps_one_ahead_of_the_host_keep_the_plain_cores_bits(name, cap, pool_tokens):
+    """Seeded rows with stop tokens: a step launched before the previous one was read (its input tokens the
+    device's, rows that stopped running one wasted step) gives every token, logprob, finish reason and expert id
+    of the plain core, with every request admitted at once, with a batch cap (rows join as others leave) and
+    with a pool small enough to preempt; across a weight update."""
+    model, reqs = tiny_model(name), _requests(groups=3, n=4)
+    plain, ahead = _overlapped(model, STOPS, cap, pool_tokens)
+    for _ in range(2):
+        ref = plain.generate(reqs)
+        assert bits(ahead.generate(reqs)) == bits(ref)
+        assert len({len(r.tokens) for r in ref}) > 3 and {r.finish_reason for r in ref} == {"stop", "length"}
+        assert ahead.core.pipelined > 0 and ahead.core.flight is None
+        assert (ahead.stat("preemptions") > 0) == (cap == 4)  # (counted since the last update)
+        if cap == 12:  # no block evicted: every block the plain core cached is cached (its tokens read first)
+            assert set(plain.core.manager.by_hash) <= set(ahead.core.manager.by_hash)
+        state = {k: v + 0.01 for k, v in model.state_dict().items()}
+        plain.update_weights(state)
+        ahead.update_weights(state)
+
+
+def test_stream_rows_run_ahead_too_and_without_stop_tokens_keep_the_plain_bits():
+    """Unseeded rows (determinism off): the core draws from the stream on the device and the host runs ahead.
+    Without stop tokens no step is wasted, so the stream's draws and every bit are the plain core's; with them a
+    stopped row's wasted step takes draws too (as SGLang's), and each result still ends as its tokens say."""
+    model, reqs = tiny_model("qwen3"), _requests(groups=3, n=4, seeded=False)
+    plain, ahead = _overlapped(model, dataclasses.replace(PARAMS, stop_token_ids=()), 12, 64 * 12)
+    assert bits(ahead.generate(reqs)) == bits(plain.generate(reqs))
+    assert ahead.core.pipelined > 0
+    _, ahead = _overlapped(model, STOPS, 5, 64 * 4)
+    out = ahead.generate(reqs)
+    assert ahead.core.pipelined > 0 and sorted(r.uid for r in out) == sorted(r.uid for r in reqs)
+    for r in out:
+        stopped = r.tokens[-1] in STOPS.stop_token_ids
+        assert r.finish_reason == ("stop" if stopped else "length") and len(r.logprobs) == len(r.tokens)
+        assert stopped or len(r.tokens) == STOPS.max_new_tokens
+        assert not any(t in STOPS.stop_token_ids for t in r.tokens[:-1])
 
 
 def test_a_padding_row_writes_only_the_sink_block():
@@ -197,6 +264,32 @@ def test_gpu_on_logprobs_are_the_trainers_and_invariant_to_the_schedule(cfg):
     eager, out = _gpu_run(model, ops, reqs, graphs=False)
     assert eng.core.decode is not None and eng.core.decode.graphs and eager.core.decode is None
     assert bits(out) == bits(ref)  # the replayed decode steps are the eager ones, bit for bit
+    assert eng.core.pipelined > 0  # ... with the host a step ahead, and without:
+    assert bits(_gpu_run(model, ops, reqs, overlap=False)[1]) == bits(ref)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("chunk, top_p", [(1, 1.0), (512, 0.9)], ids=["chunk1", "top_p0.9"])
+def test_gpu_graphs_keep_the_eager_bits_at_top_p_and_prefill_chunks_of_one(chunk, top_p):
+    """Captured, the step's own draw at top_p < 1 (sort and cumsum inside the graph) and a prefill chunk of one
+    token (mid-prompt rows: not a decode step) give the eager engine's bits; the trainer's logprobs too."""
+    from detrl.models.ops import CUDA_INVARIANT_OPS
+
+    model = build_model(GPU_MODELS["dense"], seed=0).cuda()
+    ops = dataclasses.replace(CUDA_INVARIANT_OPS, dtype=torch.bfloat16)
+    reqs = _requests(groups=4, n=4)
+    params = dataclasses.replace(PARAMS, top_p=top_p, stop_token_ids=tuple(range(64)))  # lengths spread
+    kw = dict(pool=dataclasses.replace(DEVICE_POOL, prefill_chunk=chunk))
+    graphs = CudaPagedEngine(model, ops, GPU_CTX, params, seed=1, device="cuda", dtype=torch.bfloat16, **kw)
+    eager = CudaPagedEngine(
+        model, ops, GPU_CTX, params, seed=1, device="cuda", dtype=torch.bfloat16, graphs=False, **kw
+    )
+    got, ref = graphs.generate(reqs), eager.generate(reqs)
+    assert graphs.core.decode.graphs and eager.core.decode is None and graphs.core.pipelined > 0
+    assert bits(got) == bits(ref)
+    assert min(len(r.tokens) for r in ref) < max(len(r.tokens) for r in ref)  # rows left at different steps
+    assert _trainer_logprobs(model, ops, reqs, ref) == [r.logprobs for r in ref]
 
 
 @pytest.mark.gpu

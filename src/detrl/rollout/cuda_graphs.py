@@ -54,7 +54,11 @@ class DecodeGraphs:
         self.device, self.capture, self.rows = torch.device(device), capture, bucket(max_rows)
         shape = (self.rows, INPUTS + -(-ctx_len // block_size))  # per row: the INPUTS, then its block table
         self.inputs = torch.zeros(shape, dtype=torch.long, device=self.device)
-        self.host = torch.zeros(shape, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        # two pinned host buffers, used in turn: with the engine's overlap (`cuda_overlap`) a step is filled
+        # while the previous step's copy may still be queued; the one before it has run by then
+        pin = self.device.type == "cuda"
+        self.hosts = [torch.zeros(shape, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.calls = 0
         self.last = torch.zeros(self.rows, dtype=torch.long, device=self.device)  # T = 1: index 0
         self.graphs: dict[tuple, tuple] = {}  # (bucket, width, draw params) -> (graph, its outputs)
         self.pool: KVPool | None = None
@@ -67,7 +71,8 @@ class DecodeGraphs:
 
     def __call__(self, pool: KVPool, tokens, positions, write, table, width: int, draw=None):
         """-> (logits [B, V], route [B, layers, k] or None, (tokens [B], logprobs [B]) when `draw`
-        (temperature, top_p, seeds) was given, else None)."""
+        (temperature, top_p, seeds) was given, else None). `tokens` [B, 1] on the host, or on the device (the
+        previous step's draw, which the host has not read yet: `cuda_overlap`)."""
         b = tokens.shape[0]
         if b > self.rows:
             raise ValueError(f"a decode step of {b} rows; the graphs hold at most {self.rows}")
@@ -91,8 +96,9 @@ class DecodeGraphs:
 
     def _fill(self, pool: KVPool, b: int, bb: int, tokens, positions, write, table, seeds) -> None:
         """The step's host tensors into the static input buffer, padding rows after them, in one copy."""
-        host = self.host[:bb]
-        host[:b, 0], host[:b, 1], host[:b, 2] = tokens[:, 0], positions[:, 0], write[:, 0]
+        self.calls += 1
+        host, on_host = self.hosts[self.calls % 2][:bb], tokens.device == self.hosts[0].device
+        host[:b, 0], host[:b, 1], host[:b, 2] = tokens[:, 0] if on_host else 0, positions[:, 0], write[:, 0]
         host[:b, 3] = 0 if seeds is None else torch.tensor(seeds)
         host[:b, INPUTS:] = table
         if bb > b:  # token 0 at position 0, seed 0, written to the sink, reading the zero block
@@ -100,6 +106,8 @@ class DecodeGraphs:
             host[b:, 2] = pool.sink_slot
             host[b:, INPUTS:] = pool.blocks
         self.inputs[:bb].copy_(host, non_blocking=True)
+        if not on_host:  # queued after the copy, before the replay: the device's tokens, never read here
+            self.inputs[:b, 0].copy_(tokens[:, 0])
 
     def _step(self, pool: KVPool, bb: int, wb: int, draw: tuple[float, float] | None):
         """The forward on the static inputs' first bb rows; with `draw` (temperature, top_p) also the seeded

@@ -25,6 +25,7 @@ from detrl.models.ops import Ops, moe_dispatch, sdpa_attention
 from detrl.rollout.base import Request, Result, SamplingParams
 from detrl.rollout.batching import check_fits, prompt_groups
 from detrl.rollout.cuda_graphs import DecodeGraphs
+from detrl.rollout.cuda_overlap import OverlapCore
 from detrl.rollout.paged import KVPool, LivePool, Plan, PoolSpec, kv_token_bytes, pool_for
 from detrl.rollout.scheduler import EngineCore
 from detrl.rollout.weight_views import copy_into
@@ -83,6 +84,7 @@ class CudaPagedEngine:
         dtype: torch.dtype = torch.bfloat16,
         pool: PoolSpec = DEVICE_POOL,
         graphs: bool = True,
+        overlap: bool = True,
     ):
         self.device, self.ctx_len, self.params = torch.device(device), ctx_len, params
         self.max_batch_size, self.fixed_routing = max_batch_size, fixed_routing
@@ -99,7 +101,8 @@ class CudaPagedEngine:
         if not pool.kv_pool_tokens and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
         token_bytes = kv_token_bytes(self.config, self.weights.embed.dtype.itemsize)
-        self.core = EngineCore(
+        core = OverlapCore if overlap else EngineCore  # the host one decode step ahead of the device
+        self.core = core(
             self.weights, self.ops, ctx_len, pool.blocks(free, token_bytes, ctx_len, max_batch_size),
             pool.block_size, pool.prefill_chunk, max_batch_size, torch.Generator(self.device), device=self.device,
             pool_type=pool_type,

@@ -299,12 +299,18 @@ class EngineCore:
         for i, s in enumerate(batch):
             s.computed += n[i]
             self._publish(s)
-        if drawn is not None:
-            return self._leave(self._take(batch, *drawn, route))
+        if decoding and self.decode is not None:
+            return self._decoded(batch, logits, route, drawn)
         ready = [i for i, s in enumerate(batch) if s.computed == len(s.tokens)]
         if len(ready) == len(batch):  # every row samples (a decode step): no row gathers
             return self._sample(batch, logits, route)
         return self._sample([batch[i] for i in ready], logits[ready], None if route is None else route[ready])
+
+    def _decoded(self, batch: list[Sequence], logits, route, drawn) -> list[Finished]:
+        """A replayed decode step's rows: their tokens (drawn in the step, or sampled from its logits) appended."""
+        if drawn is None:
+            return self._sample(batch, logits, route)
+        return self._leave(self._take(batch, *drawn, route))
 
     def _publish(self, s: Sequence) -> None:
         """Cache the sequence's blocks that are now full and computed (shared by later sequences)."""
