@@ -115,7 +115,9 @@ class OverlapCore(EngineCore):
         tokens = flight.tokens
         if len(rows) != len(flight.rows) or any(a is not b for a, b in zip(rows, flight.rows)):
             at = {id(s): i for i, s in enumerate(flight.rows)}
-            tokens = tokens[torch.tensor([at[id(s)] for s in rows], device=tokens.device)]
+            index = torch.tensor([at[id(s)] for s in rows])  # to the device without a sync (pinned)
+            cuda = tokens.device.type == "cuda"
+            tokens = tokens[(index.pin_memory() if cuda else index).to(tokens.device, non_blocking=True)]
         logits, route, drawn = self.decode(
             self.pool, tokens[:, None], positions, write, table, read, _seeded_draw(rows)
         )
