@@ -165,6 +165,18 @@ def test_decode_steps_one_ahead_of_the_host_keep_the_plain_cores_bits(name, cap,
         ahead.update_weights(state)
 
 
+def test_a_cut_while_a_step_is_in_flight_returns_the_plain_cores_tokens():
+    """`stop_when` (dynamic routing) cuts the call once two results are in: the step in flight is dropped, so every
+    cut row holds the tokens the plain core's had when it cut, bit for bit."""
+    model, reqs = tiny_model("qwen3"), _requests(groups=3, n=4)
+    plain, ahead = _overlapped(model, STOPS, 12, 64 * 12)
+    plain.fixed_routing = ahead.fixed_routing = False
+    ref = plain.generate(reqs, stop_when=lambda done: len(done) >= 2)
+    got = ahead.generate(reqs, stop_when=lambda done: len(done) >= 2)
+    assert "abort" in {r.finish_reason for r in ref} and ahead.core.pipelined > 0
+    assert sorted(bits(got)) == sorted(bits(ref))
+
+
 def test_stream_rows_run_ahead_too_and_without_stop_tokens_keep_the_plain_bits():
     """Unseeded rows (determinism off): the core draws from the stream on the device and the host runs ahead.
     Without stop tokens no step is wasted, so the stream's draws and every bit are the plain core's; with them a

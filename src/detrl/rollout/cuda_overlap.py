@@ -13,7 +13,8 @@ admission, the pool has the blocks the step needs (no preemption) and the draw n
 with one temperature and top_p (the replayed step draws, `_seeded_draw`) or every row on the stream with one
 (the core draws on the device from the step's logits). Otherwise the flight lands first and the step runs as
 `EngineCore.step` does. Under `on` a row's bits do not depend on the rows beside it, so the tokens and logprobs
-are the plain core's, bit for bit; under `off` a stopped row's wasted step also takes stream draws, as in SGLang.
+are the plain core's, bit for bit (a cut by `stop_when` too: the step in flight is dropped); under `off` a stopped
+row's wasted step also takes stream draws, as in SGLang.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class OverlapCore(EngineCore):
     def idle(self) -> bool:
         return self.flight is None and super().idle()
 
+    @torch.no_grad()
     def step(self) -> list[Finished]:
         flight = self.flight
         if flight is None:
@@ -76,8 +78,10 @@ class OverlapCore(EngineCore):
         return self._land(flight)
 
     def abort(self) -> list[Finished]:
-        flight, self.flight = self.flight, None
-        return (self._land(flight) if flight else []) + super().abort()
+        """The plain core's cut: the step in flight is dropped unread (the plain core would not have run it yet when
+        the caller saw the results that made it cut), every row out with the tokens read so far."""
+        self.flight = None  # its writes are queued before anything that reuses the rows' blocks
+        return super().abort()
 
     def _decoded(self, batch: list[Sequence], logits, route, drawn) -> list[Finished]:
         """The plain step's replayed decode: left in flight where its draw needs no host."""
