@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from detrl.models.forward import log_probs
-from detrl.rollout.sampling import sample, stream_gumbel
 from detrl.rollout.scheduler import EngineCore, Finished, Sequence, _seeded_draw
 
 
@@ -99,7 +97,7 @@ class OverlapCore(EngineCore):
             return None
         # the flight's token is each row's len(tokens) - context + 1-th: those at their limit leave with it
         rows = [s for s in inflight if len(s.tokens) + 1 - s.context < s.limit]
-        fresh = sum(len(s.blocks.table) * self.block_size <= s.computed for s in rows)
+        fresh = sum(map(self._needs_block, rows))
         if not rows or fresh > len(self.manager.free):
             return None
         if _seeded_draw(rows) is None and _stream_draw(rows) is None:
@@ -108,14 +106,13 @@ class OverlapCore(EngineCore):
 
     def _launch(self, rows: list[Sequence], flight: Flight) -> Flight:
         """The next decode step over `rows`, its input tokens the flight's, on the device."""
-        bs = self.block_size
-        for s in rows:  # the block of position `computed`, where the flight's token is written
-            if len(s.blocks.table) * bs <= s.computed:
+        for s in rows:
+            if self._needs_block(s):
                 s.blocks.table.append(self.manager.allocate())
         positions = torch.tensor([[s.computed] for s in rows])
         table = self.pool.table([s.blocks.table for s in rows])
         write = self.pool.token_slots(table, positions)
-        read = min(self.ctx_len, max(len(s.blocks.table) for s in rows) * bs)
+        read = self._read_width(rows)
         tokens = flight.tokens
         if len(rows) != len(flight.rows) or any(a is not b for a, b in zip(rows, flight.rows)):
             at = {id(s): i for i, s in enumerate(flight.rows)}
@@ -132,6 +129,10 @@ class OverlapCore(EngineCore):
         assert out is not None, "a continuation's draw needs no host"
         return out
 
+    def _needs_block(self, s: Sequence) -> bool:
+        """Whether position `computed`, where the flight's token is written, lies past the row's blocks."""
+        return len(s.blocks.table) * self.block_size <= s.computed
+
     def _flight(self, rows: list[Sequence], logits, route, drawn) -> Flight | None:
         """The step's tokens drawn (in the step, or here from its logits on the stream) and sent to the host
         without waiting; None where the draw needs the host (mixed seeds or sampling params)."""
@@ -139,9 +140,7 @@ class OverlapCore(EngineCore):
             params = _stream_draw(rows)
             if params is None:
                 return None
-            logp = log_probs(logits, params[0])
-            tok = sample(logp, stream_gumbel(self.generator, (len(rows),), logp.shape[-1]), params[1])
-            drawn = tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+            drawn = self._draw(rows, logits, *params)
         if self.device.type != "cuda":
             return Flight(rows, drawn[0], (*drawn, route), None)
         host = tuple(None if t is None else _pinned(t) for t in (*drawn, route))
@@ -158,9 +157,7 @@ class OverlapCore(EngineCore):
         keep = [i for i, s in enumerate(flight.rows) if id(s) in live]  # a row that stopped before is out
         rows = [flight.rows[i] for i in keep]
         tokens, logprobs, route = flight.host
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        experts = None if route is None else route.to(torch.int16).numpy()[keep]
-        leaving = self._append(rows, [tokens[i] for i in keep], [logprobs[i] for i in keep], experts)
+        leaving = self._take(rows, tokens[keep], logprobs[keep], None if route is None else route[keep])
         for s in rows:
             self._publish(s)
         return self._leave(leaving)

@@ -282,7 +282,7 @@ class EngineCore:
         positions = positions.masked_fill(~valid, 0)  # padding: position 0, never written
         table = pool.table([s.blocks.table for s in batch])  # [B, blocks]
         write = pool.token_slots(table, positions)  # [B, T] the pool slot of each token
-        read = min(self.ctx_len, max(len(s.blocks.table) for s in batch) * self.block_size)  # W, no sync
+        read = self._read_width(batch)  # W, no sync
         drawn = None  # (tokens, logprobs) when the replayed step sampled too
         if decoding and self.decode is not None:  # a decode step, replayed (CUDA graphs)
             logits, route, drawn = self.decode(
@@ -305,6 +305,10 @@ class EngineCore:
         if len(ready) == len(batch):  # every row samples (a decode step): no row gathers
             return self._sample(batch, logits, route)
         return self._sample([batch[i] for i in ready], logits[ready], None if route is None else route[ready])
+
+    def _read_width(self, batch: list[Sequence]) -> int:
+        """W: the slots the widest row's blocks hold, at most ctx_len (counted on the host)."""
+        return min(self.ctx_len, max(len(s.blocks.table) for s in batch) * self.block_size)
 
     def _decoded(self, batch: list[Sequence], logits, route, drawn) -> list[Finished]:
         """A replayed decode step's rows: their tokens (drawn in the step, or sampled from its logits) appended."""
@@ -333,11 +337,15 @@ class EngineCore:
         for (temperature, top_p), idx in groups.items():
             whole = len(idx) == len(rows)  # one group (the usual case): no row gathers
             group = rows if whole else [rows[i] for i in idx]
-            logp = log_probs(logits if whole else logits[idx], temperature)  # [G, V]
-            tok = sample(logp, self._noise(group, logp.shape[-1]), top_p)  # both on the core's device
-            lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+            tok, lp = self._draw(group, logits if whole else logits[idx], temperature, top_p)
             leaving += self._take(group, tok, lp, route if route is None or whole else route[idx])
         return self._leave(leaving)
+
+    def _draw(self, rows: list[Sequence], logits, temperature: float, top_p: float):
+        """The rows' next tokens [G] from logits [G, V] and their logprobs [G], on the core's device."""
+        logp = log_probs(logits, temperature)
+        tok = sample(logp, self._noise(rows, logp.shape[-1]), top_p)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
     def _take(self, rows: list[Sequence], tok, lp, route) -> list[tuple[Sequence, str]]:
         """The rows' sampled tokens tok [G] and logprobs lp [G] (and expert ids route [G, layers, k]) appended."""
@@ -372,6 +380,8 @@ class EngineCore:
         seeded = [i for i, s in enumerate(rows) if s.request.seed is not None]
         if len(seeded) == len(rows):
             return self.seeded.take(rows)
+        if not seeded:  # the stream's draws as they come (no buffer, no row index to copy to the device)
+            return stream_gumbel(self.generator, (len(rows),), vocab)
         out = torch.empty(len(rows), vocab, dtype=torch.float64, device=self.device)
         if seeded:
             out[seeded] = self.seeded.take([rows[i] for i in seeded])
