@@ -37,3 +37,4 @@ pair moe_on model=qwen3_moe steps=6 rollout.max_new_tokens=48
 pair qwen3_off determinism=off steps=8 rollout.max_new_tokens=48
 pair qwen3_on_partial rollout.partial.enabled=true steps=6 rollout.max_new_tokens=48
 pair p6b_on model=qwen3_0p6b steps=3 train_batch_size=8 rollout.n=4 rollout.max_new_tokens=64 micro_batch_size=16
+pair p6b_off determinism=off model=qwen3_0p6b steps=3 train_batch_size=8 rollout.n=4 rollout.max_new_tokens=64 micro_batch_size=16

@@ -9,7 +9,7 @@ from detrl.models import BATCH_INVARIANT_OPS, DEFAULT_OPS, build_model
 from detrl.models.forward import fuse
 from detrl.rollout import EmbeddedEngine, Request, SamplingParams
 from detrl.rollout.cuda_paged import CudaPagedEngine
-from detrl.rollout.paged import KVPool, LivePool, PoolSpec, kv_token_bytes, pool_blocks, pool_for
+from detrl.rollout.paged import KVPool, LivePool, PoolSpec, SeqBlocks, kv_token_bytes, pool_blocks, pool_for
 from detrl.rollout.scheduler import EngineCore
 from tests.rollout_helpers import EOS, group_requests, tiny_model
 
@@ -274,6 +274,18 @@ def test_the_gather_reads_the_rows_blocks_and_zeros_past_them_as_the_full_gather
                 assert torch.equal(keys, every[0][:, :, :width]) and torch.equal(
                     values, every[1][:, :, :width]
                 )
+
+
+def test_a_sequences_kept_table_row_follows_its_growing_block_table():
+    """`KVPool.tables` stacks each sequence's kept padded row (`SeqBlocks.padded`), synced with the blocks appended
+    since the last step: always the table's ids, then the zero block's."""
+    pool = KVPool(tiny_model("qwen3").config, 12, 4, torch.float32, 40)  # 10 blocks a row
+    seqs = [SeqBlocks([3]), SeqBlocks(), SeqBlocks([0, 1, 2])]
+    for bid in (4, 5, 6, 7, 8, 9, 10, 11):
+        for s in seqs[: 1 + bid % 3]:
+            s.table.append(bid)
+        assert torch.equal(pool.tables(seqs), pool.table([list(s.table) for s in seqs]))
+    assert pool.tables(seqs)[1].tolist() == [4, 5, 7, 8, 10, 11] + [12] * 4
 
 
 def test_the_default_kernels_read_the_rows_slots_only_and_attend_as_over_ctx_len():

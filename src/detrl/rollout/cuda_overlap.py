@@ -110,7 +110,7 @@ class OverlapCore(EngineCore):
             if self._needs_block(s):
                 s.blocks.table.append(self.manager.allocate())
         positions = torch.tensor([[s.computed] for s in rows])
-        table = self.pool.table([s.blocks.table for s in rows])
+        table = self.pool.tables([s.blocks for s in rows])
         write = self.pool.token_slots(table, positions)
         read = self._read_width(rows)
         tokens = flight.tokens

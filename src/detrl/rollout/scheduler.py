@@ -280,7 +280,7 @@ class EngineCore:
         positions = start[:, None] + torch.arange(t)  # [B, T]
         valid = torch.arange(t)[None, :] < torch.tensor(n)[:, None]
         positions = positions.masked_fill(~valid, 0)  # padding: position 0, never written
-        table = pool.table([s.blocks.table for s in batch])  # [B, blocks]
+        table = pool.tables([s.blocks for s in batch])  # [B, blocks]
         write = pool.token_slots(table, positions)  # [B, T] the pool slot of each token
         read = self._read_width(batch)  # W, no sync
         drawn = None  # (tokens, logprobs) when the replayed step sampled too
