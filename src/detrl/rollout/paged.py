@@ -163,7 +163,7 @@ class KVPool:
     def table(self, tables: list[list[int]]) -> torch.Tensor:
         """[B, ceil(ctx_len / block_size)] the block of each row's positions, padded with the zero block's id:
         what a step's layers read the pool through."""
-        return self.tables([SeqBlocks(list(t)) for t in tables])
+        return self.tables([SeqBlocks(t) for t in tables])  # `padded` reads a table, never writes it
 
     def tables(self, rows: list[SeqBlocks]) -> torch.Tensor:
         """`table` of the rows' sequences, from their kept padded rows (`SeqBlocks.padded`)."""

@@ -382,12 +382,10 @@ class EngineCore:
             return self.seeded.take(rows)
         if not seeded:  # the stream's draws as they come (no buffer, no row index to copy to the device)
             return stream_gumbel(self.generator, (len(rows),), vocab)
-        out = torch.empty(len(rows), vocab, dtype=torch.float64, device=self.device)
-        if seeded:
-            out[seeded] = self.seeded.take([rows[i] for i in seeded])
+        out = torch.empty(len(rows), vocab, dtype=torch.float64, device=self.device)  # both kinds of row
+        out[seeded] = self.seeded.take([rows[i] for i in seeded])
         rest = [i for i, s in enumerate(rows) if s.request.seed is None]
-        if rest:
-            out[rest] = stream_gumbel(self.generator, (len(rest),), vocab)
+        out[rest] = stream_gumbel(self.generator, (len(rest),), vocab)
         return out
 
     def _finish(self, s: Sequence, reason: str) -> Finished:
