@@ -687,6 +687,9 @@ def paged(args: argparse.Namespace) -> None:
                 f"tokens/s ({tokens} tokens, batch {args.batch})",
                 flush=True,
             )
+            if args.timeline and not suffix:
+                out[name]["timeline"] = timeline(eng, reqs)
+                print(f"[{name}] timeline: {json.dumps(out[name]['timeline'])}", flush=True)
             if args.profile:
                 acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 with torch.profiler.profile(activities=acts) as prof:
@@ -707,7 +710,95 @@ def paged(args: argparse.Namespace) -> None:
             for key, field in (("ms_per_decode_step", "ms"), ("tokens_per_s", "tok_s"))
             for suffix, _, _ in PAGED_VARIANTS
         }
+        if args.timeline:
+            figures["timeline"] = {m: out[m]["timeline"] for m in args.modes.split(",")}
         Path(args.json).write_text(json.dumps({**figures, "settings": settings}, indent=1))
+
+
+def host_phases(eng, reqs) -> dict[str, float]:
+    """One `generate` with the paged core's host phases timed (perf_counter, nested: `launch` holds `fill` and
+    `replay`, `land` holds its wait for the device): seconds in each, and the call's decode steps."""
+    from detrl.rollout.cuda_graphs import DecodeGraphs
+    from detrl.rollout.cuda_overlap import OverlapCore
+    from detrl.rollout.scheduler import EngineCore
+
+    spent: dict[str, float] = {}
+    targets = {  # phase: (class, method, which calls count)
+        "step": (OverlapCore, "step", None), "launch": (OverlapCore, "_launch", None),
+        "land": (OverlapCore, "_land", None), "land_wait": (torch.cuda.Event, "synchronize", None),
+        "fill": (DecodeGraphs, "_fill", None), "replay": (torch.cuda.CUDAGraph, "replay", None),
+        "plain_prefill": (EngineCore, "_run", False), "plain_decode": (EngineCore, "_run", True),
+    }  # fmt: skip
+    saved = {(c, m): c.__dict__.get(m) for c, m, _ in targets.values()}  # None: inherited
+
+    def timer(fn, phases):
+        def wrapped(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                key = (
+                    phases[None]
+                    if None in phases
+                    else phases[a[-1] if "decoding" not in kw else kw["decoding"]]
+                )
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+
+        return wrapped
+
+    by_method: dict = {}
+    for phase, (c, m, which) in targets.items():
+        by_method.setdefault((c, m), {})[which] = phase
+    for (c, m), phases in by_method.items():
+        setattr(c, m, timer(getattr(c, m), phases))
+    try:
+        steps0, piped0 = eng.core.steps, eng.core.pipelined
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        got = eng.generate(reqs)
+        torch.cuda.synchronize()
+        spent["wall"] = time.perf_counter() - t0
+    finally:
+        for (c, m), fn in saved.items():
+            setattr(c, m, fn) if fn is not None else delattr(c, m)
+    longest = max(len(r.tokens) for r in got)
+    return {**spent, "longest": longest, "core_steps": eng.core.steps - steps0,
+            "pipelined": eng.core.pipelined - piped0}  # fmt: skip
+
+
+def device_busy(fn) -> dict[str, float]:
+    """fn() under torch.profiler (CUDA activity): seconds the device ran anything (the union of its kernels' and
+    copies' intervals), from its first to its last, and the call's wall time (with the profiler's overhead)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    cuda = torch.autograd.DeviceType.CUDA
+    spans = sorted(
+        (e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events() if e.device_type() == cuda
+    )
+    busy, end = 0, None
+    for a, b in spans:
+        if end is None or a > end:
+            busy, end = busy + b - a, b
+        elif b > end:
+            busy, end = busy + b - end, b
+    first_last = (spans[-1][1] - spans[0][0]) * 1e-9 if spans else 0.0
+    return {"busy": busy * 1e-9, "first_to_last": first_last, "wall_profiled": wall, "kernels": len(spans)}
+
+
+def timeline(eng, reqs) -> dict[str, float]:
+    """Where one `generate`'s time goes, per decode step (ms over the longest response): its wall time and host
+    phases (no profiler), and the device's busy time (a second call, under the profiler)."""
+    host = host_phases(eng, reqs)
+    dev = device_busy(lambda: eng.generate(reqs))
+    n = host.pop("longest")
+    counts = {k: host.pop(k) for k in ("core_steps", "pipelined")}
+    per_step = {f"{k}_ms": v / n * 1e3 for k, v in {**host, **{f"device_{k}": v for k, v in dev.items()}}.items()
+                if k != "device_kernels"}  # fmt: skip
+    return {**per_step, **counts, "longest": n, "device_spans": dev["kernels"]}
 
 
 # ---------------------------------------------------------------------------------------------- kernels, tiles
@@ -1204,6 +1295,9 @@ def parser() -> argparse.ArgumentParser:
     pag.add_argument("--modes", default="on,off")
     pag.add_argument("--stops", type=int, default=0, help="token ids 0..N-1 stop a sequence")
     pag.add_argument("--profile", action="store_true")
+    pag.add_argument(
+        "--timeline", action="store_true", help="the default's host phases and device busy time per step"
+    )
     pag.add_argument("--json", default=None, help="write ms_per_decode_step, tokens_per_s here")
     for name in ("kernels", "tiles"):
         sub.choices[name].add_argument("--out", default=None, help="write the results here as JSON")
