@@ -109,10 +109,7 @@ class OverlapCore(EngineCore):
         for s in rows:
             if self._needs_block(s):
                 s.blocks.table.append(self.manager.allocate())
-        positions = torch.tensor([[s.computed] for s in rows])
-        table = self.pool.tables([s.blocks for s in rows])
-        write = self.pool.token_slots(table, positions)
-        read = self._read_width(rows)
+        positions, _, table, write, read = self._inputs(rows, [1] * len(rows))
         tokens = flight.tokens
         if len(rows) != len(flight.rows) or any(a is not b for a, b in zip(rows, flight.rows)):
             at = {id(s): i for i, s in enumerate(flight.rows)}

@@ -276,13 +276,7 @@ class EngineCore:
         t = max(n)
         rows = [s.tokens[s.computed : s.computed + k] + [0] * (t - k) for s, k in zip(batch, n)]
         tokens = torch.tensor(rows, dtype=torch.long)  # right-padded [B, T]
-        start = torch.tensor([s.computed for s in batch])
-        positions = start[:, None] + torch.arange(t)  # [B, T]
-        valid = torch.arange(t)[None, :] < torch.tensor(n)[:, None]
-        positions = positions.masked_fill(~valid, 0)  # padding: position 0, never written
-        table = pool.tables([s.blocks for s in batch])  # [B, blocks]
-        write = pool.token_slots(table, positions)  # [B, T] the pool slot of each token
-        read = self._read_width(batch)  # W, no sync
+        positions, valid, table, write, read = self._inputs(batch, n)
         drawn = None  # (tokens, logprobs) when the replayed step sampled too
         if decoding and self.decode is not None:  # a decode step, replayed (CUDA graphs)
             logits, route, drawn = self.decode(
@@ -292,7 +286,7 @@ class EngineCore:
             dev = self.device
             logits, route = paged_forward(
                 self.weights, tokens.to(dev), positions.to(dev), self.ops, self.ctx_len, self.rope, pool,
-                write.to(dev), None if min(n) == t else valid.to(dev), table.to(dev),
+                write.to(dev), None if valid is None else valid.to(dev), table.to(dev),
                 (torch.tensor(n) - 1).to(dev), fresh=width > 1 and all(s.computed == 0 for s in batch), width=read,
             )  # fmt: skip
         self.computed_tokens += sum(n)
@@ -305,6 +299,19 @@ class EngineCore:
         if len(ready) == len(batch):  # every row samples (a decode step): no row gathers
             return self._sample(batch, logits, route)
         return self._sample([batch[i] for i in ready], logits[ready], None if route is None else route[ready])
+
+    def _inputs(self, batch: list[Sequence], n: list[int]):
+        """The host inputs of a step taking each row's next n[i] tokens from position `computed`: positions [B, T]
+        (T = max(n); padding at position 0, never written), valid [B, T] (None: every slot is a token), block
+        tables [B, blocks], write slots [B, T] and the read width W (no sync)."""
+        t = max(n)
+        positions = torch.tensor([s.computed for s in batch])[:, None] + torch.arange(t)
+        valid = None
+        if min(n) < t:
+            valid = torch.arange(t)[None, :] < torch.tensor(n)[:, None]
+            positions = positions.masked_fill(~valid, 0)
+        table = self.pool.tables([s.blocks for s in batch])
+        return positions, valid, table, self.pool.token_slots(table, positions), self._read_width(batch)
 
     def _read_width(self, batch: list[Sequence]) -> int:
         """W: the slots the widest row's blocks hold, at most ctx_len (counted on the host)."""
